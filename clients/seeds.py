@@ -1,0 +1,37 @@
+"""Seeds are derived, never drawn: every random stream is keyed by (run seed, purpose, round, ...)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Purpose tags keep the streams of one (seed, round, partition id) independent of each other.
+INIT = 0
+COHORT = 1
+BATCH_ORDER = 2
+MASK = 3
+SYNC_MASK = 4
+
+
+def derive_seed(*key: int) -> int:
+    """A 63-bit seed that depends on every integer of ``key`` (numpy's SeedSequence hashing)."""
+    if any(k < 0 for k in key):
+        raise ValueError(f"seed key parts must be non-negative, got {key}")
+    state = np.random.SeedSequence(list(key)).generate_state(1, dtype=np.uint64)[0]
+    return int(state >> np.uint64(1))
+
+
+def batch_order_seed(run_seed: int, server_round: int, partition_id: int | None) -> int:
+    """Minibatch order of one client; ``partition_id=None`` is the identical-shards control."""
+    if partition_id is None:
+        return derive_seed(run_seed, BATCH_ORDER, server_round)
+    return derive_seed(run_seed, BATCH_ORDER, server_round, partition_id)
+
+
+def independent_mask_seed(run_seed: int, server_round: int, partition_id: int) -> int:
+    """Mask seed a client derives for itself in independent mode."""
+    return derive_seed(run_seed, MASK, server_round, partition_id)
+
+
+def synchronized_mask_seed(run_seed: int, server_round: int) -> int:
+    """The one mask seed the server broadcasts in synchronized mode."""
+    return derive_seed(run_seed, SYNC_MASK, server_round)

@@ -1,0 +1,85 @@
+"""Local training of one client: τ epochs of plain SGD, then Δ_k = θ − θ_k."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """How a client trains: τ epochs, batch size (None = full shard), learning rate."""
+
+    epochs: int
+    batch_size: int | None
+    lr: float
+    bf16: bool = False
+
+    def num_steps(self, num_examples: int) -> int:
+        """T = τ for full-batch training, τ · ceil(n_k / bs) otherwise."""
+        if self.batch_size is None:
+            return self.epochs
+        return self.epochs * math.ceil(num_examples / self.batch_size)
+
+
+@dataclass
+class LocalResult:
+    update: list[torch.Tensor]  # Δ_k = θ − θ_k, one tensor per parameter, on the model's device
+    num_examples: int
+    train_loss: float  # mean loss over the examples seen during local training
+
+
+def load_parameters(model: nn.Module, params: Sequence) -> None:
+    """Copy ``params`` (numpy arrays or tensors, in ``model.parameters()`` order) into the model in place."""
+    model_params = list(model.parameters())
+    if len(params) != len(model_params):
+        raise ValueError(f"got {len(params)} parameter tensors, the model has {len(model_params)}")
+    with torch.no_grad():
+        for p, value in zip(model_params, params, strict=True):
+            p.copy_(torch.as_tensor(value), non_blocking=True)
+
+
+def local_update(
+    model: nn.Module,
+    global_params: Sequence,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    training: LocalTraining,
+    generator: torch.Generator,
+) -> LocalResult:
+    """Train ``model`` from θ = ``global_params`` on the shard (``images``, ``labels``) and return Δ_k.
+
+    The minibatch order comes from ``generator`` alone (a CPU generator), so a client's result
+    depends only on θ, its shard and the seed it was given.
+    """
+    load_parameters(model, global_params)
+    theta = [p.detach().clone() for p in model.parameters()]
+    n = len(labels)
+    batch = n if training.batch_size is None else training.batch_size
+    optimizer = torch.optim.SGD(model.parameters(), lr=training.lr, momentum=0.0, weight_decay=0.0)
+    autocast = (
+        torch.autocast(device_type=images.device.type, dtype=torch.bfloat16)
+        if training.bf16
+        else contextlib.nullcontext()
+    )
+    model.train()
+    loss_sum, seen = torch.zeros((), device=images.device), 0
+    for _ in range(training.epochs):
+        order = torch.randperm(n, generator=generator).to(images.device)
+        for start in range(0, n, batch):
+            idx = order[start : start + batch]
+            with autocast:
+                loss = nn.functional.cross_entropy(model(images[idx]), labels[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach().float() * len(idx)
+            seen += len(idx)
+    with torch.no_grad():
+        update = [t0 - p for t0, p in zip(theta, model.parameters(), strict=True)]
+    return LocalResult(update=update, num_examples=n, train_loss=float(loss_sum) / seen)

@@ -1,0 +1,1 @@
+"""fedmask: how much of update masking's implicit regularization survives federated averaging."""

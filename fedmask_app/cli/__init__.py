@@ -1,0 +1,1 @@
+"""Console scripts: fedmask-local, fedmask-sweep, fedmask-report, fedmask-export-shards."""

@@ -1,0 +1,247 @@
+"""RunConfig: the run configuration, typed and validated once at start.
+
+The one place a default lives is ``[tool.flwr.app.config]`` in pyproject.toml; ``flwr run``
+merges ``--run-config`` into it and hands the result to the apps, and the local engine does the
+same merge with ``load_run_config``. ``RunConfig.from_mapping`` then checks every value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedmask_app.data import FILE_NAME, resolve_data_dir
+from fedmask_app.model import MODELS
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+MASK_MODES = ("none", "independent", "synchronized")
+AGGREGATIONS = ("weighted", "uniform")
+DEVICES = ("auto", "cpu", "cuda")
+FAULT_KINDS = ("raise", "nan", "inf", "shape", "dtype", "hang")
+
+
+class ConfigError(ValueError):
+    """A run-config value that is not allowed; the message names the key, the value and the rule."""
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """A fault a client raises on purpose (tests): ``kind:partition-id:round``."""
+
+    kind: str
+    partition_id: int
+    server_round: int
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int
+    num_clients: int
+    clients_per_round: int
+    num_rounds: int
+    alpha: float
+    min_partition_size: int
+    identical_shards: bool
+    model: str
+    local_epochs: int
+    batch_size: int | None  # None: one full-batch step per epoch
+    lr: float
+    mask_mode: str
+    keep_prob: float
+    aggregation: str
+    eval_every: int
+    test_subset: int
+    eval_batch_size: int
+    data_dir: str
+    output_dir: str
+    run_name: str
+    device: str
+    bf16: bool
+    threads: int
+    min_clients: int
+    round_timeout: float
+    checkpoint_every: int
+    resume: bool
+    inject_fault: str
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
+        """Validate a flat run-config mapping (kebab-case keys, as in pyproject.toml)."""
+        fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ConfigError(f"unknown run-config key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
+        missing = sorted(set(fields) - set(values))
+        if missing:
+            raise ConfigError(f"run-config is missing {', '.join(missing)} (defaults live in pyproject.toml)")
+        kwargs = {f.name: _coerce(key, values[key], f.type) for key, f in fields.items()}
+        kwargs["batch_size"] = _batch_size(values["batch-size"])
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        _require(self.keep_prob > 0 and self.keep_prob <= 1, "keep-prob", self.keep_prob, "a probability in (0, 1]")
+        _require(self.num_clients >= 1, "num-clients", self.num_clients, "an integer >= 1")
+        _require(
+            1 <= self.clients_per_round <= self.num_clients, "clients-per-round", self.clients_per_round,
+            f"an integer from 1 to num-clients ({self.num_clients})",
+        )
+        _require(self.num_rounds >= 1, "num-rounds", self.num_rounds, "an integer >= 1")
+        _require(self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
+        _require(self.min_partition_size >= 1, "min-partition-size", self.min_partition_size, "an integer >= 1")
+        _require(self.model in MODELS, "model", self.model, f"one of {', '.join(MODELS)}")
+        _require(self.local_epochs >= 1, "local-epochs", self.local_epochs, "an integer tau >= 1")
+        _require(self.lr > 0, "lr", self.lr, "a learning rate > 0")
+        _require(self.mask_mode in MASK_MODES, "mask-mode", self.mask_mode, f"one of {', '.join(MASK_MODES)}")
+        _require(self.aggregation in AGGREGATIONS, "aggregation", self.aggregation, f"one of {', '.join(AGGREGATIONS)}")
+        _require(self.eval_every >= 0, "eval-every", self.eval_every, "an integer >= 0 (0: never)")
+        _require(0 <= self.test_subset <= 10000, "test-subset", self.test_subset, "0 (all 10000) to 10000")
+        _require(self.eval_batch_size >= 1, "eval-batch-size", self.eval_batch_size, "an integer >= 1")
+        _require(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
+        _require(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0: from the client's CPUs)")
+        _require(
+            1 <= self.min_clients <= self.clients_per_round, "min-clients", self.min_clients,
+            f"an integer from 1 to clients-per-round ({self.clients_per_round})",
+        )
+        _require(self.round_timeout > 0, "round-timeout", self.round_timeout, "seconds > 0")
+        _require(self.checkpoint_every >= 0, "checkpoint-every", self.checkpoint_every, "an integer >= 0 (0: never)")
+        _require(
+            not self.run_name or re.fullmatch(r"[A-Za-z0-9._=-]+", self.run_name) is not None,
+            "run-name", self.run_name, "letters, digits and . _ = - only",
+        )
+        self.fault_injection()  # parses or raises
+        self._validate_data_dir()
+
+    def _validate_data_dir(self) -> None:
+        data_dir = resolve_data_dir(self.data_dir)
+        if (data_dir / FILE_NAME).is_file():
+            return
+        existing = next((p for p in [data_dir, *data_dir.parents] if p.exists()), None)
+        if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"data-dir = {str(data_dir)!r} holds no {FILE_NAME} and is not writable, so it cannot be "
+                "fetched there: point data-dir at a folder with the file or a writable folder"
+            )
+
+    def fault_injection(self) -> FaultInjection | None:
+        if not self.inject_fault:
+            return None
+        match = re.fullmatch(r"([a-z]+):(\d+):(\d+)", self.inject_fault)
+        if match is None or match.group(1) not in FAULT_KINDS:
+            raise ConfigError(
+                f"inject-fault = {self.inject_fault!r} is not allowed: expected '' or "
+                f"KIND:PARTITION-ID:ROUND with KIND one of {', '.join(FAULT_KINDS)}"
+            )
+        return FaultInjection(match.group(1), int(match.group(2)), int(match.group(3)))
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The flat kebab-case mapping this config was made from (``batch-size`` as in the file)."""
+        out = {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["batch-size"] = "full" if self.batch_size is None else self.batch_size
+        return out
+
+    @property
+    def name(self) -> str:
+        """The run's folder name: ``run-name`` or one derived from what defines the run."""
+        if self.run_name:
+            return self.run_name
+        bs = "full" if self.batch_size is None else self.batch_size
+        parts = [self.model, f"a{self.alpha:g}", f"bs{bs}", f"tau{self.local_epochs}", self.mask_mode]
+        if self.mask_mode != "none":
+            parts.append(f"p{self.keep_prob:g}")
+        if self.identical_shards:
+            parts.append("identical")
+        return "_".join([*parts, f"seed{self.seed}"])
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir).expanduser().resolve() / self.name
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {value!r} is not allowed: expected {allowed}")
+
+
+def _coerce(key: str, value: Any, annotation: str) -> Any:
+    kinds = {"int": int, "float": float, "bool": bool, "str": str}
+    kind = kinds.get(annotation)
+    if kind is None:  # batch-size, parsed on its own
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} = {value!r} is not allowed: expected a value of type {annotation}")
+    return value
+
+
+def _batch_size(value: Any) -> int | None:
+    if value == "full":
+        return None
+    try:
+        size = int(value) if not isinstance(value, bool | float) else -1
+    except (TypeError, ValueError):
+        size = -1
+    if size < 1:
+        raise ConfigError(f'batch-size = {value!r} is not allowed: expected a positive integer or "full"')
+    return size
+
+
+def pyproject_defaults(project_root: Path = PROJECT_ROOT) -> dict[str, Any]:
+    """``[tool.flwr.app.config]`` of the app's pyproject.toml, flattened."""
+    path = project_root / "pyproject.toml"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: run from a fedmask checkout (pip install -e .)")
+    with path.open("rb") as f:
+        return _flatten(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``flwr run --run-config`` values: .toml files and ``key=value`` pairs (TOML values), applied
+    in order. (flwr run itself takes either one file or pairs; the local engine takes both.)"""
+    overrides: dict[str, Any] = {}
+    for arg in args:
+        if arg.endswith(".toml"):
+            path = Path(arg).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"run-config file {path} not found")
+            with path.open("rb") as f:
+                overrides.update(_flatten(tomllib.load(f)))
+            continue
+        pairs = re.findall(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)", arg)
+        if not pairs:
+            raise ConfigError(f"{arg!r} is neither a .toml file nor key=value")
+        for key, raw in pairs:
+            try:
+                overrides.update(tomllib.loads(f"{key} = {raw}"))
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"{key}={raw} is not a TOML value (quote strings: {key}='\"{raw}\"')") from exc
+    return overrides
+
+
+def load_run_config(args: list[str] | None = None, project_root: Path = PROJECT_ROOT) -> RunConfig:
+    """pyproject defaults merged with overrides, validated: what ``flwr run`` would hand the apps."""
+    values = pyproject_defaults(project_root)
+    overrides = parse_overrides(args or [])
+    unknown = sorted(set(overrides) - set(values))
+    if unknown:
+        raise ConfigError(f"unknown run-config key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(values))}")
+    return RunConfig.from_mapping({**values, **overrides})

@@ -1,0 +1,51 @@
+"""The local engine: a whole run in one process, no Flower, no Ray (CPU or CUDA).
+
+Same cohort sampling, client code, statistics, aggregation, evaluation and results writer as
+the Flower app; only the transport differs: clients are called one after another in-process,
+with the model and the data resident on the device. Importing this module imports neither
+flwr nor ray.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from clients.seeds import synchronized_mask_seed
+from fedmask_app.config import RunConfig
+from fedmask_app.run_loop import TrainRound, run_rounds
+from fedmask_app.task import ClientTask
+from strategies.cohort import sample_cohort
+from strategies.round import RoundOutcome, finish_round
+
+log = logging.getLogger("fedmask")
+
+ENGINE = "local"
+
+
+def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
+    partition_ids = list(range(cfg.num_clients))
+
+    def train_round(server_round: int, params: list[np.ndarray]) -> RoundOutcome:
+        cohort = sample_cohort(cfg.seed, server_round, partition_ids, cfg.clients_per_round)
+        sync_seed = synchronized_mask_seed(cfg.seed, server_round) if cfg.mask_mode == "synchronized" else None
+        replies, failures = [], []
+        for partition_id in cohort:
+            try:
+                replies.append(task.train(partition_id, server_round, params, sync_seed))
+            except Exception as exc:  # a failing client is left out, as in the Flower app
+                failures.append(f"partition {partition_id}: {type(exc).__name__}: {exc}")
+        return finish_round(
+            server_round, params, replies, failures,
+            aggregation=cfg.aggregation, keep_prob=cfg.keep_prob, min_clients=cfg.min_clients,
+        )
+
+    return train_round
+
+
+def run_local(cfg: RunConfig) -> list[np.ndarray]:
+    """Run ``cfg`` to the end in this process and return the final global parameters."""
+    if cfg.fault_injection() and cfg.fault_injection().kind == "hang":
+        raise ValueError("inject-fault 'hang' needs the Flower engine: an in-process client cannot time out")
+    return run_rounds(cfg, ENGINE, local_train_round(cfg, ClientTask(cfg)))

@@ -1,0 +1,39 @@
+"""ResNet-18 with GroupNorm(2 groups) in place of BatchNorm, 10 classes."""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+from clients.seeds import INIT, derive_seed
+
+MODELS = ("resnet18-gn", "resnet18-gn-cifar")
+
+
+def _group_norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(2, channels)
+
+
+def build_model(name: str) -> nn.Module:
+    """``resnet18-gn``: torchvision's stem (7×7/2 conv + max-pool); ``resnet18-gn-cifar``: 3×3/1
+    conv and no max-pool, the usual CIFAR stem (about 15× costlier on a CPU)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)}")
+    model = torchvision.models.resnet18(num_classes=10, norm_layer=_group_norm)
+    if name == "resnet18-gn-cifar":
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def initial_parameters(name: str, run_seed: int) -> list[torch.Tensor]:
+    """θ_0: the model's default initialisation drawn under a seed derived from the run seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(run_seed, INIT))
+        model = build_model(name)
+    return [p.detach() for p in model.parameters()]
+
+
+def parameter_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters()]

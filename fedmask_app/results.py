@@ -1,0 +1,172 @@
+"""A run's results folder: config.json, rounds.csv (one row per round, flushed as it goes) and
+an atomic checkpoint. Both engines write through here, so their rows are identical."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedmask_app.config import PROJECT_ROOT, RunConfig
+
+COLUMNS = (
+    "round", "recovery", "recovery_weighted", "mean_sq_norm", "sq_norm_of_mean", "sigma2_hat", "mu2_hat",
+    "test_accuracy", "test_loss", "train_loss", "num_clients", "num_examples", "num_failures", "cohort",
+    "seconds",
+)
+ROUNDS_FILE = "rounds.csv"
+CONFIG_FILE = "config.json"
+CHECKPOINT_FILE = "checkpoint.pt"
+PACKAGES = ("torch", "torchvision", "numpy", "flwr", "flwr-datasets", "ray", "pandas")
+
+
+class ResultsError(RuntimeError):
+    """The results folder is not in a state this run may write to."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    server_round: int
+    params: list[np.ndarray]
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return ""
+    return value
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def is_complete(run_dir: Path, num_rounds: int) -> bool:
+    """True when rounds.csv holds rounds 1..num_rounds."""
+    rows = read_rows(run_dir / ROUNDS_FILE)
+    return [int(r["round"]) for r in rows] == list(range(1, num_rounds + 1))
+
+
+def run_metadata(cfg: RunConfig, engine: str, data_sha256: str) -> dict[str, Any]:
+    versions = {}
+    for package in PACKAGES:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "run_config": cfg.to_mapping(),
+        "run_name": cfg.name,
+        "engine": engine,
+        "model": cfg.model,
+        "data_sha256": data_sha256,
+        "git_commit": commit,
+        "packages": versions,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+class RunResults:
+    """The folder ``<output-dir>/<run-name>/`` of one run."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.rounds_path = run_dir / ROUNDS_FILE
+        self.config_path = run_dir / CONFIG_FILE
+        self.checkpoint_path = run_dir / CHECKPOINT_FILE
+
+    @classmethod
+    def open(cls, cfg: RunConfig, meta: dict[str, Any]) -> tuple[RunResults, Checkpoint | None]:
+        """Prepare the folder for a fresh run, or for ``resume`` from its last checkpoint.
+
+        A fresh run refuses a folder that already holds rounds, so nothing written is lost.
+        """
+        results = cls(cfg.run_dir)
+        results.run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint = None
+        if cfg.resume:
+            checkpoint = results.load_checkpoint()
+            last = checkpoint.server_round if checkpoint else 0
+            results._keep_rounds_up_to(last)
+        elif read_rows(results.rounds_path):
+            raise ResultsError(
+                f"{results.rounds_path} already holds rounds: pass resume=true to continue that run, "
+                "or choose another run-name/output-dir (nothing was changed)"
+            )
+        else:
+            results._keep_rounds_up_to(0)
+            results.checkpoint_path.unlink(missing_ok=True)
+        _atomic_write(results.config_path, lambda f: f.write(json.dumps(meta, indent=2).encode() + b"\n"))
+        return results, checkpoint
+
+    def _keep_rounds_up_to(self, last_round: int) -> None:
+        """Rewrite rounds.csv with the header and the rows of rounds <= last_round."""
+        rows = [r for r in read_rows(self.rounds_path) if int(r["round"]) <= last_round]
+
+        def write(f) -> None:
+            import io
+
+            text = io.StringIO()
+            writer = csv.DictWriter(text, fieldnames=COLUMNS, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)
+            f.write(text.getvalue().encode())
+
+        _atomic_write(self.rounds_path, write)
+
+    def append_row(self, row: dict[str, Any]) -> None:
+        """Append one round and flush it to disk before the next round starts."""
+        missing = set(COLUMNS) - set(row)
+        if missing:
+            raise ValueError(f"row lacks {sorted(missing)}")
+        with self.rounds_path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n").writerow(
+                {k: _cell(row[k]) for k in COLUMNS}
+            )
+            f.flush()
+            os.fsync(f.fileno())
+
+    def save_checkpoint(self, server_round: int, params: list[np.ndarray]) -> None:
+        """The global model after ``server_round``; every random draw is derived from
+        (seed, round, partition id), so the round and θ are all a resume needs."""
+        state = {"round": server_round, "params": [torch.from_numpy(np.ascontiguousarray(p)) for p in params]}
+        _atomic_write(self.checkpoint_path, lambda f: torch.save(state, f))
+
+    def load_checkpoint(self) -> Checkpoint | None:
+        if not self.checkpoint_path.is_file():
+            return None
+        state = torch.load(self.checkpoint_path, weights_only=True)
+        return Checkpoint(int(state["round"]), [t.numpy() for t in state["params"]])

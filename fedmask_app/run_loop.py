@@ -1,0 +1,68 @@
+"""The round loop both engines share: train a cohort, evaluate, write the row, checkpoint.
+
+An engine supplies ``train_round(server_round, params) -> RoundOutcome``; the Flower ServerApp
+does it with Messages, the local engine with in-process calls. Everything else is here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from fedmask_app.config import RunConfig
+from fedmask_app.data import CONTENT_SHA256
+from fedmask_app.model import initial_parameters
+from fedmask_app.results import RunResults, run_metadata
+from fedmask_app.task import Evaluator
+from strategies.round import RoundOutcome
+
+log = logging.getLogger("fedmask")
+
+TrainRound = Callable[[int, list[np.ndarray]], RoundOutcome]
+
+
+def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: Evaluator | None = None,
+               echo: Callable[[str], None] = print) -> list[np.ndarray]:
+    """Run rounds until ``num-rounds`` (from the last checkpoint when ``resume``); return θ."""
+    results, checkpoint = RunResults.open(cfg, run_metadata(cfg, engine, CONTENT_SHA256))
+    if checkpoint is not None:
+        params, first = checkpoint.params, checkpoint.server_round + 1
+        echo(f"[fedmask] resuming {cfg.name} after round {checkpoint.server_round}")
+    else:
+        params, first = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)], 1
+    evaluator = evaluator or Evaluator(cfg)
+    echo(f"[fedmask] {engine} engine, run {cfg.name} -> {results.run_dir}")
+    for server_round in range(first, cfg.num_rounds + 1):
+        started = time.perf_counter()
+        outcome = train_round(server_round, params)
+        params = outcome.result.params
+        test_loss, test_accuracy = evaluator(params) if evaluator.due(server_round) else (float("nan"),) * 2
+        seconds = time.perf_counter() - started
+        stats = outcome.result.stats
+        results.append_row({
+            "round": server_round,
+            **stats,
+            "test_accuracy": test_accuracy,
+            "test_loss": test_loss,
+            "train_loss": outcome.result.train_loss,
+            "num_clients": len(outcome.result.partition_ids),
+            "num_examples": outcome.result.num_examples,
+            "num_failures": outcome.num_failures,
+            "cohort": " ".join(map(str, outcome.result.partition_ids)),
+            "seconds": round(seconds, 3),
+        })
+        echo(
+            f"[fedmask] round {server_round}/{cfg.num_rounds}  1/dS={stats['recovery']:.4f} "
+            f"(weighted {stats['recovery_weighted']:.4f}, ceiling {cfg.clients_per_round})  "
+            f"train_loss={outcome.result.train_loss:.4f}"
+            + (f"  test_acc={test_accuracy:.4f}" if test_accuracy == test_accuracy else "")
+            + (f"  failures={outcome.num_failures}" if outcome.num_failures else "")
+            + f"  {seconds:.1f}s"
+        )
+        if cfg.checkpoint_every and (server_round % cfg.checkpoint_every == 0 or server_round == cfg.num_rounds):
+            results.save_checkpoint(server_round, params)
+    echo(f"[fedmask] done: {results.rounds_path}")
+    return params

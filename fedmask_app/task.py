@@ -1,0 +1,184 @@
+"""The task wiring shared by both engines: one client's round, and the server's evaluation.
+
+A ``ClientTask`` is built once per process (model, data set, partition) and reused for every
+round and every partition that process serves; weights are loaded into the model in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from clients.masking import block_mask
+from clients.seeds import batch_order_seed, independent_mask_seed
+from clients.training import LocalTraining, load_parameters, local_update
+from fedmask_app.config import FaultInjection, RunConfig
+from fedmask_app.data import load_cifar10, normalize, resolve_data_dir
+from fedmask_app.model import build_model
+from fedmask_app.partition import dirichlet_partition, identical_shards
+from strategies.aggregate import ClientReply
+
+
+class InjectedFault(RuntimeError):
+    """A failure a test asked for through ``inject-fault``."""
+
+
+def pick_device(cfg: RunConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device = 'cuda' but torch sees no CUDA device")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def set_threads(cfg: RunConfig) -> None:
+    """torch threads = ``threads``, or the CPUs the process was given (Ray sets OMP_NUM_THREADS)."""
+    threads = cfg.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def client_shards(cfg: RunConfig, labels: np.ndarray) -> list[np.ndarray]:
+    """The K shards of this run (index arrays into the training set)."""
+    make = identical_shards if cfg.identical_shards else dirichlet_partition
+    return make(labels, cfg.num_clients, cfg.alpha, cfg.seed, cfg.min_partition_size)
+
+
+def local_training(cfg: RunConfig) -> LocalTraining:
+    return LocalTraining(epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, bf16=cfg.bf16)
+
+
+def client_mask(cfg: RunConfig, server_round: int, partition_id: int, sync_seed: int | None, num_blocks: int):
+    """The block mask this client draws, or None when masking is off."""
+    if cfg.mask_mode == "none":
+        return None
+    if cfg.mask_mode == "synchronized":
+        if sync_seed is None:
+            raise ValueError("synchronized masking needs the server's mask seed in the train config")
+        seed = sync_seed
+    else:
+        seed = independent_mask_seed(cfg.seed, server_round, partition_id)
+    return block_mask(seed, num_blocks, cfg.keep_prob).tolist()
+
+
+class ClientTask:
+    """Model, data and shards of one process; ``train`` runs one client's round."""
+
+    def __init__(self, cfg: RunConfig, shard_arrays: dict[int, tuple[np.ndarray, np.ndarray]] | None = None):
+        set_threads(cfg)
+        self.cfg = cfg
+        self.device = pick_device(cfg)
+        self.model = build_model(cfg.model).to(self.device)
+        self.num_blocks = len(list(self.model.parameters()))
+        self._given_shards = shard_arrays  # deployment: a device's own shard file
+        self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @functools.cached_property
+    def _partition(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        data = load_cifar10(resolve_data_dir(self.cfg.data_dir))
+        return data.x_train, data.y_train, client_shards(self.cfg, data.y_train)
+
+    def shard(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised images and labels of one client, on the device, cached."""
+        if partition_id not in self._shards:
+            if self._given_shards is not None:
+                if partition_id not in self._given_shards:
+                    raise ValueError(f"this node has no shard for partition {partition_id}")
+                images, labels = self._given_shards[partition_id]
+            else:
+                x_train, y_train, shards = self._partition
+                if not 0 <= partition_id < len(shards):
+                    raise ValueError(f"partition id {partition_id} outside 0..{len(shards) - 1}")
+                images, labels = x_train[shards[partition_id]], y_train[shards[partition_id]]
+            self._shards[partition_id] = (
+                normalize(images).to(self.device),
+                torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(self.device),
+            )
+        return self._shards[partition_id]
+
+    def train(
+        self, partition_id: int, server_round: int, global_params: list[np.ndarray], sync_seed: int | None
+    ) -> ClientReply:
+        fault = self.cfg.fault_injection()
+        if fault and (fault.partition_id, fault.server_round) == (partition_id, server_round):
+            _raise_or_hang(fault)
+        images, labels = self.shard(partition_id)
+        order_key = None if self.cfg.identical_shards else partition_id
+        generator = torch.Generator().manual_seed(batch_order_seed(self.cfg.seed, server_round, order_key))
+        result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator)
+        update = [t.detach().cpu().numpy() for t in result.update]
+        if fault:
+            update = _corrupt(fault, partition_id, server_round, update)
+        return ClientReply(
+            partition_id=partition_id,
+            num_examples=result.num_examples,
+            train_loss=result.train_loss,
+            update=update,
+            keep=client_mask(self.cfg, server_round, partition_id, sync_seed, self.num_blocks),
+        )
+
+
+def _raise_or_hang(fault: FaultInjection) -> None:
+    if fault.kind == "raise":
+        raise InjectedFault(f"injected failure in partition {fault.partition_id}, round {fault.server_round}")
+    if fault.kind == "hang":
+        time.sleep(3600)
+
+
+def _corrupt(fault: FaultInjection, partition_id: int, server_round: int, update: list[np.ndarray]):
+    if (fault.partition_id, fault.server_round) != (partition_id, server_round):
+        return update
+    if fault.kind in ("nan", "inf"):
+        update[0] = np.full_like(update[0], np.nan if fault.kind == "nan" else np.inf)
+    elif fault.kind == "shape":
+        update[0] = update[0].reshape(-1)[:-1]
+    elif fault.kind == "dtype":
+        update[0] = update[0].astype(np.float64)
+    return update
+
+
+@functools.lru_cache(maxsize=2)
+def cached_client_task(cfg: RunConfig) -> ClientTask:
+    """One ClientTask per process and run configuration."""
+    return ClientTask(cfg)
+
+
+class Evaluator:
+    """Test-set loss and accuracy of a global model (the first ``test-subset`` images, or all)."""
+
+    def __init__(self, cfg: RunConfig):
+        set_threads(cfg)
+        self.cfg = cfg
+        self.device = pick_device(cfg)
+        self.model = build_model(cfg.model).to(self.device)
+        data = load_cifar10(resolve_data_dir(cfg.data_dir))
+        n = cfg.test_subset or len(data.y_test)
+        self.images = normalize(data.x_test[:n]).to(self.device)
+        self.labels = torch.from_numpy(data.y_test[:n]).to(self.device)
+
+    def due(self, server_round: int) -> bool:
+        every = self.cfg.eval_every
+        return every > 0 and (server_round % every == 0 or server_round == self.cfg.num_rounds)
+
+    @torch.no_grad()
+    def __call__(self, params: list[np.ndarray]) -> tuple[float, float]:
+        """(test loss, test accuracy)."""
+        load_parameters(self.model, params)
+        self.model.eval()
+        loss_sum, correct = 0.0, 0
+        for start in range(0, len(self.labels), self.cfg.eval_batch_size):
+            x = self.images[start : start + self.cfg.eval_batch_size]
+            y = self.labels[start : start + self.cfg.eval_batch_size]
+            logits = self.model(x)
+            loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+        n = len(self.labels)
+        loss = loss_sum / n
+        return (loss if math.isfinite(loss) else float("nan")), correct / n
