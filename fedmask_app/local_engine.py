@@ -9,6 +9,7 @@ flwr nor ray.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,8 +45,8 @@ def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
     return train_round
 
 
-def run_local(cfg: RunConfig) -> list[np.ndarray]:
+def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.ndarray]:
     """Run ``cfg`` to the end in this process and return the final global parameters."""
     if cfg.fault_injection() and cfg.fault_injection().kind == "hang":
         raise ValueError("inject-fault 'hang' needs the Flower engine: an in-process client cannot time out")
-    return run_rounds(cfg, ENGINE, local_train_round(cfg, ClientTask(cfg)))
+    return run_rounds(cfg, ENGINE, local_train_round(cfg, ClientTask(cfg)), echo=echo)
