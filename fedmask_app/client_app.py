@@ -39,7 +39,9 @@ def _client(context: Context) -> tuple[RunConfig, int, ClientTask]:
     if "partition-id" not in node:
         raise ValueError("node config has neither data-path nor partition-id")
     if int(node.get("num-partitions", cfg.num_clients)) != cfg.num_clients:
-        raise ValueError(f"the federation has {node['num-partitions']} partitions, run-config num-clients = {cfg.num_clients}")
+        raise ValueError(
+            f"the federation has {node['num-partitions']} partitions, run-config num-clients = {cfg.num_clients}"
+        )
     return cfg, int(node["partition-id"]), cached_client_task(cfg)
 
 

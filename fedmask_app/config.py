@@ -87,6 +87,7 @@ class RunConfig:
         return cfg
 
     def validate(self) -> None:
+        _require(self.seed >= 0, "seed", self.seed, "an integer >= 0 (seeds are derived with SeedSequence)")
         _require(self.keep_prob > 0 and self.keep_prob <= 1, "keep-prob", self.keep_prob, "a probability in (0, 1]")
         _require(self.num_clients >= 1, "num-clients", self.num_clients, "an integer >= 1")
         _require(
@@ -116,7 +117,7 @@ class RunConfig:
             not self.run_name or re.fullmatch(r"[A-Za-z0-9._=-]+", self.run_name) is not None,
             "run-name", self.run_name, "letters, digits and . _ = - only",
         )
-        self.fault_injection()  # parses or raises
+        self.fault_injections()  # parses or raises
         self._validate_data_dir()
 
     def _validate_data_dir(self) -> None:
@@ -130,16 +131,24 @@ class RunConfig:
                 "fetched there: point data-dir at a folder with the file or a writable folder"
             )
 
-    def fault_injection(self) -> FaultInjection | None:
-        if not self.inject_fault:
-            return None
-        match = re.fullmatch(r"([a-z]+):(\d+):(\d+)", self.inject_fault)
-        if match is None or match.group(1) not in FAULT_KINDS:
-            raise ConfigError(
-                f"inject-fault = {self.inject_fault!r} is not allowed: expected '' or "
-                f"KIND:PARTITION-ID:ROUND with KIND one of {', '.join(FAULT_KINDS)}"
-            )
-        return FaultInjection(match.group(1), int(match.group(2)), int(match.group(3)))
+    def fault_injections(self) -> list[FaultInjection]:
+        """The faults of ``inject-fault``: comma-separated ``KIND:PARTITION-ID:ROUND`` (tests only)."""
+        faults = []
+        for spec in filter(None, self.inject_fault.split(",")):
+            match = re.fullmatch(r"([a-z]+):(\d+):(\d+)", spec.strip())
+            if match is None or match.group(1) not in FAULT_KINDS:
+                raise ConfigError(
+                    f"inject-fault = {self.inject_fault!r} is not allowed: expected '' or comma-separated "
+                    f"KIND:PARTITION-ID:ROUND with KIND one of {', '.join(FAULT_KINDS)}"
+                )
+            faults.append(FaultInjection(match.group(1), int(match.group(2)), int(match.group(3))))
+        return faults
+
+    def fault_for(self, partition_id: int, server_round: int) -> FaultInjection | None:
+        return next(
+            (f for f in self.fault_injections() if (f.partition_id, f.server_round) == (partition_id, server_round)),
+            None,
+        )
 
     def to_mapping(self) -> dict[str, Any]:
         """The flat kebab-case mapping this config was made from (``batch-size`` as in the file)."""

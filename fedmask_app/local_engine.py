@@ -47,6 +47,6 @@ def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
 
 def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.ndarray]:
     """Run ``cfg`` to the end in this process and return the final global parameters."""
-    if cfg.fault_injection() and cfg.fault_injection().kind == "hang":
+    if any(f.kind == "hang" for f in cfg.fault_injections()):
         raise ValueError("inject-fault 'hang' needs the Flower engine: an in-process client cannot time out")
     return run_rounds(cfg, ENGINE, local_train_round(cfg, ClientTask(cfg)), echo=echo)

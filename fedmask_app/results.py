@@ -118,6 +118,7 @@ class RunResults:
         results.run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = None
         if cfg.resume:
+            results._check_same_run(meta["run_config"])
             checkpoint = results.load_checkpoint()
             last = checkpoint.server_round if checkpoint else 0
             results._keep_rounds_up_to(last)
@@ -131,6 +132,17 @@ class RunResults:
             results.checkpoint_path.unlink(missing_ok=True)
         _atomic_write(results.config_path, lambda f: f.write(json.dumps(meta, indent=2).encode() + b"\n"))
         return results, checkpoint
+
+    def _check_same_run(self, run_config: dict[str, Any]) -> None:
+        """A resume must continue the run that the folder holds, not another configuration."""
+        if not self.config_path.is_file():
+            return
+        before = json.loads(self.config_path.read_text()).get("run_config", {})
+        keys = (set(before) | set(run_config)) - {"resume"}
+        changed = sorted(k for k in keys if before.get(k) != run_config.get(k))
+        if changed:
+            diffs = ", ".join(f"{k}: {before.get(k)!r} -> {run_config.get(k)!r}" for k in changed)
+            raise ResultsError(f"cannot resume {self.run_dir}: it holds a run with another configuration ({diffs})")
 
     def _keep_rounds_up_to(self, last_round: int) -> None:
         """Rewrite rounds.csv with the header and the rows of rounds <= last_round."""

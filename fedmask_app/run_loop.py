@@ -17,7 +17,7 @@ from fedmask_app.data import CONTENT_SHA256
 from fedmask_app.model import initial_parameters
 from fedmask_app.results import RunResults, run_metadata
 from fedmask_app.task import Evaluator
-from strategies.round import RoundOutcome
+from strategies.round import RoundFailed, RoundOutcome
 
 log = logging.getLogger("fedmask")
 
@@ -37,7 +37,12 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
     echo(f"[fedmask] {engine} engine, run {cfg.name} -> {results.run_dir}")
     for server_round in range(first, cfg.num_rounds + 1):
         started = time.perf_counter()
-        outcome = train_round(server_round, params)
+        try:
+            outcome = train_round(server_round, params)
+        except RoundFailed as exc:
+            echo(f"[fedmask] run stopped in round {server_round}: {exc}. Rounds 1-{server_round - 1} "
+                 f"are in {results.rounds_path}" + (" and the last checkpoint" if cfg.checkpoint_every else ""))
+            raise
         params = outcome.result.params
         test_loss, test_accuracy = evaluator(params) if evaluator.due(server_round) else (float("nan"),) * 2
         seconds = time.perf_counter() - started

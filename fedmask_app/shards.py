@@ -28,6 +28,7 @@ def load_shard_file(path: str | Path) -> tuple[int, np.ndarray, np.ndarray]:
         raise FileNotFoundError(f"shard file {path} (node config data-path) does not exist")
     with np.load(path, allow_pickle=False) as npz:
         images, labels = npz["images"], npz["labels"]
-        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (32, 32, 3) or len(images) != len(labels):
+        well_formed = images.dtype == np.uint8 and images.shape[1:] == (32, 32, 3) and len(images) == len(labels)
+        if not well_formed:
             raise ValueError(f"{path} is not a fedmask shard file (images {images.dtype}{images.shape})")
         return int(npz["partition_id"]), images, labels.astype(np.int64)

@@ -10,7 +10,6 @@ import functools
 import math
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -106,16 +105,16 @@ class ClientTask:
     def train(
         self, partition_id: int, server_round: int, global_params: list[np.ndarray], sync_seed: int | None
     ) -> ClientReply:
-        fault = self.cfg.fault_injection()
-        if fault and (fault.partition_id, fault.server_round) == (partition_id, server_round):
-            _raise_or_hang(fault)
+        fault = self.cfg.fault_for(partition_id, server_round)
+        if fault:
+            _raise_or_hang(fault, self.cfg.round_timeout)
         images, labels = self.shard(partition_id)
         order_key = None if self.cfg.identical_shards else partition_id
         generator = torch.Generator().manual_seed(batch_order_seed(self.cfg.seed, server_round, order_key))
         result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator)
         update = [t.detach().cpu().numpy() for t in result.update]
         if fault:
-            update = _corrupt(fault, partition_id, server_round, update)
+            update = _corrupt(fault, update)
         return ClientReply(
             partition_id=partition_id,
             num_examples=result.num_examples,
@@ -125,16 +124,14 @@ class ClientTask:
         )
 
 
-def _raise_or_hang(fault: FaultInjection) -> None:
+def _raise_or_hang(fault: FaultInjection, round_timeout: float) -> None:
     if fault.kind == "raise":
         raise InjectedFault(f"injected failure in partition {fault.partition_id}, round {fault.server_round}")
     if fault.kind == "hang":
-        time.sleep(3600)
+        time.sleep(2 * round_timeout)  # past the server's deadline, then the reply is ignored
 
 
-def _corrupt(fault: FaultInjection, partition_id: int, server_round: int, update: list[np.ndarray]):
-    if (fault.partition_id, fault.server_round) != (partition_id, server_round):
-        return update
+def _corrupt(fault: FaultInjection, update: list[np.ndarray]) -> list[np.ndarray]:
     if fault.kind in ("nan", "inf"):
         update[0] = np.full_like(update[0], np.nan if fault.kind == "nan" else np.inf)
     elif fault.kind == "shape":

@@ -23,8 +23,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedmask-local: {exc}", file=sys.stderr)
         return 2
     from fedmask_app.local_engine import run_local
+    from fedmask_app.results import ResultsError
+    from strategies.round import RoundFailed
 
-    run_local(cfg)
+    try:
+        run_local(cfg)
+    except (RoundFailed, ResultsError) as exc:
+        print(f"fedmask-local: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,117 @@
+"""fedmask-export-shards: write each client's shard of a run configuration to its own file.
+
+A real device (a ``flower-supernode``) gets one of these files through its node config,
+``--node-config 'data-path="/abs/shard-<id>.npz"'``; the ClientApp then trains on exactly the
+shard the simulation and the local engine give that partition id. The files depend only on the
+keys that define the partition (seed, num-clients, alpha, min-partition-size, identical-shards)
+and the data set, which ``shards.json`` records next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedmask_app.config import ConfigError, RunConfig, load_run_config
+from fedmask_app.data import CONTENT_SHA256, DataError, load_cifar10, resolve_data_dir
+from fedmask_app.shards import write_shard_file
+from fedmask_app.task import client_shards
+
+MANIFEST = "shards.json"
+PARTITION_KEYS = ("seed", "num-clients", "alpha", "min-partition-size", "identical-shards")
+
+
+def shard_file_name(partition_id: int) -> str:
+    return f"shard-{partition_id}.npz"
+
+
+def partition_config(cfg: RunConfig) -> dict[str, Any]:
+    """The run-config keys that define the shards, as in the run config."""
+    values = cfg.to_mapping()
+    return {key: values[key] for key in PARTITION_KEYS}
+
+
+def export_shards(cfg: RunConfig, out_dir: Path, echo=print) -> dict[str, Any]:
+    """Write ``shard-<id>.npz`` for every partition id of ``cfg`` and ``shards.json``; return the manifest."""
+    out_dir = Path(out_dir).expanduser().resolve()
+    data = load_cifar10(resolve_data_dir(cfg.data_dir))  # verified against CONTENT_SHA256
+    shards = client_shards(cfg, data.y_train)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for partition_id, indices in enumerate(shards):
+        path = out_dir / shard_file_name(partition_id)
+        write_shard_file(path, partition_id, data.x_train[indices], data.y_train[indices])
+        counts = np.bincount(data.y_train[indices], minlength=10)
+        entries.append({
+            "partition-id": partition_id,
+            "file": path.name,
+            "size": len(indices),
+            "label-counts": [int(c) for c in counts],
+        })
+        echo(f"[fedmask] {path}  partition {partition_id}: {len(indices)} images")
+    manifest = {
+        "config": partition_config(cfg),
+        "data-sha256": CONTENT_SHA256,
+        "num-partitions": len(shards),
+        "partitions": entries,
+        "node-config": "data-path=\"<absolute path of shard-<id>.npz>\"",
+    }
+    _write_json(out_dir / MANIFEST, manifest)
+    current = {entry["file"] for entry in entries}
+    for stale in sorted(out_dir.glob("shard-*.npz")):  # from an earlier export with more clients
+        if stale.name not in current and re.fullmatch(r"shard-\d+\.npz", stale.name):
+            stale.unlink()
+            echo(f"[fedmask] removed {stale} (not a partition of this configuration)")
+    echo(f"[fedmask] {out_dir / MANIFEST}")
+    return manifest
+
+
+def _write_json(path: Path, value: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fedmask-export-shards",
+        description="Write OUT_DIR/shard-<id>.npz (one per client of the run config) and OUT_DIR/shards.json, "
+        "for SuperNodes started with --node-config 'data-path=\"OUT_DIR/shard-<id>.npz\"'.",
+    )
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="folder for the shard files")
+    parser.add_argument("--run-config", nargs="+", default=[], metavar="FILE.toml | key=value",
+                        help="one .toml file, or key=value pairs (as flwr run --run-config)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="more key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_run_config(args.run_config + args.overrides)
+    except ConfigError as exc:
+        print(f"fedmask-export-shards: {exc}", file=sys.stderr)
+        return 2
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        print(f"fedmask-export-shards: {args.out_dir} exists and is not a folder", file=sys.stderr)
+        return 2
+    try:
+        export_shards(cfg, args.out_dir)
+    except (DataError, ValueError, OSError) as exc:
+        print(f"fedmask-export-shards: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
