@@ -10,10 +10,15 @@ COHORT = 1
 BATCH_ORDER = 2
 MASK = 3
 SYNC_MASK = 4
+SHARED_BATCH_ORDER = 5  # the identical-shards control: one order for every client
 
 
 def derive_seed(*key: int) -> int:
-    """A 63-bit seed that depends on every integer of ``key`` (numpy's SeedSequence hashing)."""
+    """A 63-bit seed hashed from ``key`` by numpy's SeedSequence.
+
+    SeedSequence ignores trailing zeros, so keys must not differ only by them: every key here
+    starts with (run seed, purpose tag), and all keys of one purpose have the same length.
+    """
     if any(k < 0 for k in key):
         raise ValueError(f"seed key parts must be non-negative, got {key}")
     state = np.random.SeedSequence(list(key)).generate_state(1, dtype=np.uint64)[0]
@@ -23,7 +28,7 @@ def derive_seed(*key: int) -> int:
 def batch_order_seed(run_seed: int, server_round: int, partition_id: int | None) -> int:
     """Minibatch order of one client; ``partition_id=None`` is the identical-shards control."""
     if partition_id is None:
-        return derive_seed(run_seed, BATCH_ORDER, server_round)
+        return derive_seed(run_seed, SHARED_BATCH_ORDER, server_round)
     return derive_seed(run_seed, BATCH_ORDER, server_round, partition_id)
 
 

@@ -8,6 +8,7 @@ same merge with ``load_run_config``. ``RunConfig.from_mapping`` then checks ever
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -95,11 +96,11 @@ class RunConfig:
             f"an integer from 1 to num-clients ({self.num_clients})",
         )
         _require(self.num_rounds >= 1, "num-rounds", self.num_rounds, "an integer >= 1")
-        _require(self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
+        _require(math.isfinite(self.alpha) and self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
         _require(self.min_partition_size >= 1, "min-partition-size", self.min_partition_size, "an integer >= 1")
         _require(self.model in MODELS, "model", self.model, f"one of {', '.join(MODELS)}")
         _require(self.local_epochs >= 1, "local-epochs", self.local_epochs, "an integer tau >= 1")
-        _require(self.lr > 0, "lr", self.lr, "a learning rate > 0")
+        _require(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a learning rate > 0")
         _require(self.mask_mode in MASK_MODES, "mask-mode", self.mask_mode, f"one of {', '.join(MASK_MODES)}")
         _require(self.aggregation in AGGREGATIONS, "aggregation", self.aggregation, f"one of {', '.join(AGGREGATIONS)}")
         _require(self.eval_every >= 0, "eval-every", self.eval_every, "an integer >= 0 (0: never)")
@@ -111,7 +112,10 @@ class RunConfig:
             1 <= self.min_clients <= self.clients_per_round, "min-clients", self.min_clients,
             f"an integer from 1 to clients-per-round ({self.clients_per_round})",
         )
-        _require(self.round_timeout > 0, "round-timeout", self.round_timeout, "seconds > 0")
+        _require(
+            math.isfinite(self.round_timeout) and self.round_timeout > 0, "round-timeout", self.round_timeout,
+            "seconds > 0",
+        )
         _require(self.checkpoint_every >= 0, "checkpoint-every", self.checkpoint_every, "an integer >= 0 (0: never)")
         _require(
             not self.run_name or re.fullmatch(r"[A-Za-z0-9._=-]+", self.run_name) is not None,

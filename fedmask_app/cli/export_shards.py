@@ -10,6 +10,7 @@ and the data set, which ``shards.json`` records next to them.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -33,6 +34,11 @@ def shard_file_name(partition_id: int) -> str:
     return f"shard-{partition_id}.npz"
 
 
+def indices_sha256(indices: np.ndarray) -> str:
+    """sha256 of a shard's training-set indices (int64, little-endian), in shard order."""
+    return hashlib.sha256(np.ascontiguousarray(indices, dtype="<i8").tobytes()).hexdigest()
+
+
 def partition_config(cfg: RunConfig) -> dict[str, Any]:
     """The run-config keys that define the shards, as in the run config."""
     values = cfg.to_mapping()
@@ -54,6 +60,7 @@ def export_shards(cfg: RunConfig, out_dir: Path, echo=print) -> dict[str, Any]:
             "partition-id": partition_id,
             "file": path.name,
             "size": len(indices),
+            "indices-sha256": indices_sha256(indices),
             "label-counts": [int(c) for c in counts],
         })
         echo(f"[fedmask] {path}  partition {partition_id}: {len(indices)} images")
