@@ -10,16 +10,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from fedmask_app.cli.run import toml_value
+
 PROJECT = Path(__file__).resolve().parents[1]
 SHARED_DATA = PROJECT.parent / "shared" / "data"
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
 
 
 def write_run_config(path: Path, values: dict) -> Path:

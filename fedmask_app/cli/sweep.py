@@ -3,55 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from fedmask_app.config import PROJECT_ROOT, ConfigError, RunConfig, load_run_config, parse_overrides
+from fedmask_app.cli.run import run_with_flower, toml_value
+from fedmask_app.config import ConfigError, RunConfig, load_run_config, parse_overrides
 from fedmask_app.grid import GridRun, load_grid
 from fedmask_app.results import is_complete
 
 ROUND_LINE = re.compile(r"\[fedmask\] round (\d+)/(\d+)")
 
 
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
-
-
 def _run_flower(cfg: RunConfig, args: argparse.Namespace, on_round) -> None:
-    """One run through `flwr run . --stream` (the local SuperLink, Ray simulation)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        for key, value in cfg.to_mapping().items():
-            f.write(f"{key} = {_toml_value(value)}\n")
-        config_file = f.name
-    federation = (
-        f"num-supernodes={cfg.num_clients} client-resources-num-cpus={args.num_cpus} "
-        f"client-resources-num-gpus={args.num_gpus}"
-    )
-    env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-    command = ["flwr", "run", str(PROJECT_ROOT), "--stream", "--run-config", config_file,
-               "--federation-config", federation]
-    try:
-        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-            for line in proc.stdout:
-                match = ROUND_LINE.search(line)
-                if match:
-                    on_round(line.strip())
-                elif args.verbose:
-                    tqdm.write(line.rstrip())
-            proc.wait()
-    finally:
-        Path(config_file).unlink(missing_ok=True)
+    def on_line(line: str) -> None:
+        if ROUND_LINE.search(line):
+            on_round(line)
+        elif args.verbose:
+            tqdm.write(line)
+
+    run_with_flower(cfg, args.num_cpus, args.num_gpus, on_line)
 
 
 def _run_local(cfg: RunConfig, args: argparse.Namespace, on_round) -> None:
@@ -68,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="flower: `flwr run --stream` per run (Ray simulation); local: one process")
     parser.add_argument("--output-dir", default=None, help="default: results/<grid file stem>")
     parser.add_argument("--num-cpus", type=int, default=1, help="flower engine: CPUs per virtual client")
-    parser.add_argument("--num-gpus", type=float, default=0.0, help="flower engine: GPU fraction per client")
+    parser.add_argument("--num-gpus", type=float, default=None,
+                        help="flower engine: GPU fraction per client (default 0.25 with CUDA, else 0)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
     parser.add_argument("--verbose", action="store_true", help="flower engine: show Flower's own log lines")
     args = parser.parse_intermixed_args(argv)
@@ -121,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 def grid_run_config(run: GridRun, common: dict) -> RunConfig:
     """pyproject defaults <- grid base and cell <- command-line overrides, validated."""
     pairs = {**run.overrides, **common}
-    return load_run_config([f"{k}={_toml_value(v)}" for k, v in pairs.items()])
+    return load_run_config([f"{k}={toml_value(v)}" for k, v in pairs.items()])
 
 
 if __name__ == "__main__":
