@@ -48,6 +48,7 @@ class RunConfig:
     num_rounds: int
     alpha: float
     min_partition_size: int
+    max_shard_size: int
     identical_shards: bool
     model: str
     local_epochs: int
@@ -97,6 +98,7 @@ class RunConfig:
         )
         _require(self.num_rounds >= 1, "num-rounds", self.num_rounds, "an integer >= 1")
         _require(math.isfinite(self.alpha) and self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
+        _require(self.max_shard_size >= 0, "max-shard-size", self.max_shard_size, "an integer >= 0 (0: no cap)")
         _require(self.min_partition_size >= 1, "min-partition-size", self.min_partition_size, "an integer >= 1")
         _require(self.model in MODELS, "model", self.model, f"one of {', '.join(MODELS)}")
         _require(self.local_epochs >= 1, "local-epochs", self.local_epochs, "an integer tau >= 1")
@@ -169,6 +171,8 @@ class RunConfig:
         parts = [self.model, f"a{self.alpha:g}", f"bs{bs}", f"tau{self.local_epochs}", self.mask_mode]
         if self.mask_mode != "none":
             parts.append(f"p{self.keep_prob:g}")
+        if self.max_shard_size:
+            parts.append(f"shard{self.max_shard_size}")
         if self.identical_shards:
             parts.append("identical")
         return "_".join([*parts, f"seed{self.seed}"])

@@ -7,6 +7,7 @@ does it with Messages, the local engine with in-process calls. Everything else i
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from collections.abc import Callable
 
@@ -69,5 +70,6 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
         )
         if cfg.checkpoint_every and (server_round % cfg.checkpoint_every == 0 or server_round == cfg.num_rounds):
             results.save_checkpoint(server_round, params)
-    echo(f"[fedmask] done: {results.rounds_path}")
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    echo(f"[fedmask] done: {results.rounds_path} (peak RSS of this {engine} server process: {peak_mib:.0f} MiB)")
     return params

@@ -284,7 +284,10 @@ def cell_summary(runs: pd.DataFrame) -> pd.DataFrame:
     if cells.empty:
         return cells
     order = cells.assign(_a=-cells["alpha"], _b=cells["bs"].map(bs_order))
-    order = order.sort_values([*extra, "_a", "_b", "tau"], kind="stable")
+    try:
+        order = order.sort_values([*extra, "_a", "_b", "tau"], kind="stable")
+    except TypeError:  # a key with values of mixed types: sort it as text
+        order = order.assign(**{k: order[k].map(str) for k in extra}).sort_values([*extra, "_a", "_b", "tau"])
     return cells.loc[order.index].reset_index(drop=True)
 
 

@@ -45,9 +45,11 @@ def set_threads(cfg: RunConfig) -> None:
 
 
 def client_shards(cfg: RunConfig, labels: np.ndarray) -> list[np.ndarray]:
-    """The K shards of this run (index arrays into the training set)."""
+    """The K shards of this run (index arrays into the training set), each cut to its first
+    ``max-shard-size`` samples when that is set."""
     make = identical_shards if cfg.identical_shards else dirichlet_partition
-    return make(labels, cfg.num_clients, cfg.alpha, cfg.seed, cfg.min_partition_size)
+    shards = make(labels, cfg.num_clients, cfg.alpha, cfg.seed, cfg.min_partition_size)
+    return [s[: cfg.max_shard_size] for s in shards] if cfg.max_shard_size else shards
 
 
 def local_training(cfg: RunConfig) -> LocalTraining:

@@ -1,0 +1,100 @@
+"""What a simulated round costs beyond its training, measured side by side in one run.
+
+Workload: K_c = 10 clients a round, each 1 local epoch over 64 samples at bs 32, ResNet-18/GN,
+real CIFAR-10, no evaluation. Timed three ways, each after warm-up rounds, median of the rest:
+  (a) the bare loop: one process, model and data resident, the project's own client code
+      (ClientTask.train) called for the 10 clients one after another; no aggregation;
+  (b) the same rounds through the Flower simulation (fedmask-run: flwr run --stream, Ray);
+  (c) the same rounds through the local engine (fedmask-local's run_local).
+(b) and (c) take the per-round wall time that rounds.csv records (train + aggregate + write).
+The last line is the ratio b/a.
+
+    python benchmarks/round_overhead.py --data-dir ../shared/data
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from fedmask_app.cli.run import run_with_flower, toml_value
+from fedmask_app.config import load_run_config
+from fedmask_app.local_engine import run_local
+from fedmask_app.model import initial_parameters
+from fedmask_app.task import ClientTask
+from strategies.cohort import sample_cohort
+
+WORKLOAD = {
+    "num-clients": 10, "clients-per-round": 10, "max-shard-size": 64, "local-epochs": 1, "batch-size": 32,
+    "eval-every": 0, "checkpoint-every": 0,
+}
+
+
+def config(args: argparse.Namespace, out: Path, name: str, threads: int):
+    values = {**WORKLOAD, "num-rounds": args.warmup + args.rounds, "data-dir": str(Path(args.data_dir).resolve()),
+              "output-dir": str(out), "run-name": name, "threads": threads}
+    return load_run_config([f"{k}={toml_value(v)}" for k, v in values.items()])
+
+
+def bare_loop(cfg) -> list[float]:
+    task = ClientTask(cfg)
+    params = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)]
+    times = []
+    for server_round in range(1, cfg.num_rounds + 1):
+        started = time.perf_counter()
+        for pid in sample_cohort(cfg.seed, server_round, range(cfg.num_clients), cfg.clients_per_round):
+            task.train(pid, server_round, params, None)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def round_seconds(cfg) -> list[float]:
+    return pd.read_csv(cfg.run_dir / "rounds.csv")["seconds"].tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default="../shared/data")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per engine (median reported)")
+    parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per virtual client in the simulation")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads of the bare loop and local engine "
+                        "(0: all cores)")
+    args = parser.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="fedmask-bench-"))
+
+    bare = bare_loop(config(args, out, "bare", args.threads))[args.warmup:]
+
+    local_cfg = config(args, out, "local", args.threads)
+    run_local(local_cfg, echo=lambda _: None)
+    local = round_seconds(local_cfg)[args.warmup:]
+
+    flower_cfg = config(args, out, "flower", 0)
+    peak: list[str] = []
+
+    def on_line(line: str) -> None:
+        peak.extend(re.findall(r"peak RSS of this flower server process: (\d+)", line))
+
+    run_with_flower(flower_cfg, num_cpus=args.num_cpus, num_gpus=0.0, on_line=on_line)
+    flower = round_seconds(flower_cfg)[args.warmup:]
+
+    images = WORKLOAD["clients-per-round"] * WORKLOAD["max-shard-size"] * WORKLOAD["local-epochs"]
+    a, b, c = (statistics.median(t) for t in (bare, flower, local))
+    print(f"workload: {WORKLOAD['clients-per-round']} clients x {WORKLOAD['max-shard-size']} samples, "
+          f"bs {WORKLOAD['batch-size']}, 1 epoch, ResNet-18/GN; "
+          f"median of {args.rounds} rounds after {args.warmup} warm-up")
+    print(f"(a) bare loop         {a:7.3f} s/round  {images / a:7.1f} images/s")
+    print(f"(c) local engine      {c:7.3f} s/round  {images / c:7.1f} images/s  ratio c/a = {c / a:.3f}")
+    print(f"(b) flower simulation {b:7.3f} s/round  {images / b:7.1f} images/s")
+    print(f"server peak RSS (flower ServerApp process): {peak[-1] if peak else '?'} MiB")
+    print(f"ratio b/a = {b / a:.3f}")
+
+
+if __name__ == "__main__":
+    main()
