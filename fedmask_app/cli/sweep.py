@@ -68,14 +68,19 @@ def main(argv: list[str] | None = None) -> int:
 
     failed: list[str] = []
     execute = _run_flower if args.engine == "flower" else _run_local
-    with tqdm(total=sum(cfg.num_rounds for _, cfg in pending), unit="round", dynamic_ncols=True) as bar:
+    # Progress in client-epochs (rounds x K_c x tau), so the ETA weighs a tau = 5 round as five tau = 1 rounds.
+    def work(cfg: RunConfig, rounds: int) -> int:
+        return rounds * cfg.clients_per_round * cfg.local_epochs
+
+    with tqdm(total=sum(work(cfg, cfg.num_rounds) for _, cfg in pending), unit="client-epoch",
+              dynamic_ncols=True) as bar:
         for index, (run, cfg) in enumerate(pending, 1):
             bar.set_description(f"run {index}/{len(pending)} {run.name}")
             done_before = bar.n
             started = time.perf_counter()
 
-            def on_round(line: str) -> None:
-                bar.update(1)
+            def on_round(line: str, cfg: RunConfig = cfg) -> None:
+                bar.update(work(cfg, 1))
                 tqdm.write(line)
 
             try:
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 failed.append(run.name)
                 tqdm.write(f"[sweep] {run.name} FAILED: rounds.csv is incomplete; see its output above")
-                bar.update(max(0, done_before + cfg.num_rounds - bar.n))  # keep the ETA honest
+                bar.update(max(0, done_before + work(cfg, cfg.num_rounds) - bar.n))  # keep the ETA honest
     print(f"[sweep] done: {len(pending) - len(failed)} runs completed, {len(failed)} failed"
           + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
