@@ -14,8 +14,10 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,16 +28,15 @@ from fedmask_app.cli import export_shards
 from fedmask_app.config import load_run_config
 from fedmask_app.data import CONTENT_SHA256, FILE_NAME, load_cifar10
 from fedmask_app.results import COLUMNS
-from fedmask_app.shards import load_shard_file, write_shard_file
+from fedmask_app.shards import load_shard_file
 from fedmask_app.task import client_shards
 
 PROJECT = Path(__file__).resolve().parents[1]
 DEPLOY = PROJECT / "deploy"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FEDERATION = "fedmask-test"
-# The exported shards of a 2-client run hold 25000 images each: two rounds of ResNet-18 on them
-# take minutes on a 2-core CPU. The SuperNodes train on the first SHARD_IMAGES images of each
-# exported shard instead (FEDMASK_DEPLOY_TEST_FULL_SHARDS=1: the whole shards).
+# Uncapped, the shards of a 2-client run hold 25000 images each: two rounds of ResNet-18 on them
+# take minutes on a 2-core CPU. The test run caps them with max-shard-size.
 SHARD_IMAGES = 256
 
 needs_data = pytest.mark.skipif(not (SHARED_DATA / FILE_NAME).is_file(), reason=f"no {SHARED_DATA / FILE_NAME}")
@@ -73,8 +74,12 @@ def free_ports(n: int) -> list[int]:
 @needs_data
 def test_export_shards_are_the_simulation_shards(tmp_path):
     overrides = ["num-clients=3", "clients-per-round=3", "alpha=0.5", "seed=7", f"data-dir='{SHARED_DATA}'"]
-    out = tmp_path / "shards"
-    (out).mkdir()
+    check_export(tmp_path / "full", overrides, max_shard_size=0)
+    check_export(tmp_path / "capped", [*overrides, "max-shard-size=1000"], max_shard_size=1000)
+
+
+def check_export(out: Path, overrides: list[str], max_shard_size: int) -> None:
+    out.mkdir()
     (out / "shard-9.npz").write_bytes(b"stale")  # from an export with more clients: removed
     assert export_shards.main([str(out), *overrides]) == 0
 
@@ -83,7 +88,8 @@ def test_export_shards_are_the_simulation_shards(tmp_path):
     expected = client_shards(cfg, data.y_train)
     manifest = json.loads((out / "shards.json").read_text())
     assert manifest["config"] == {
-        "seed": 7, "num-clients": 3, "alpha": 0.5, "min-partition-size": 10, "identical-shards": False,
+        "seed": 7, "num-clients": 3, "alpha": 0.5, "min-partition-size": 10, "max-shard-size": max_shard_size,
+        "identical-shards": False,
     }
     assert manifest["data-sha256"] == CONTENT_SHA256
     assert [p["partition-id"] for p in manifest["partitions"]] == [0, 1, 2]
@@ -94,7 +100,7 @@ def test_export_shards_are_the_simulation_shards(tmp_path):
         np.testing.assert_array_equal(labels, data.y_train[indices])
         np.testing.assert_array_equal(images, data.x_train[indices])
         entry = manifest["partitions"][pid]
-        assert entry["size"] == len(indices)
+        assert entry["size"] == len(indices) and (not max_shard_size or len(indices) == max_shard_size)
         assert entry["indices-sha256"] == hashlib.sha256(indices.astype("<i8").tobytes()).hexdigest()
         assert entry["label-counts"] == np.bincount(labels, minlength=10).tolist()
 
@@ -132,17 +138,29 @@ class Deployment:
         }
 
     def run(self, *args: str, timeout: float = 120, check: bool = True, env: dict | None = None):
-        """Run a command (a deploy script, flwr, ...) in its own session; kill that session on timeout."""
-        proc = subprocess.Popen(
-            list(args), cwd=PROJECT, env={**self.env, **(env or {})}, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            raise AssertionError(f"{' '.join(args)} did not finish in {timeout}s:\n{out}") from None
+        """Run a command (a deploy script, flwr, ...) in a session of its own and wait for it; then end
+        whatever it left in that session (the daemons the scripts start live in sessions of their own).
+        Output goes through a file: a leftover child holding a pipe open cannot block the wait."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile("w+", dir=self.dir) as log:
+            proc = subprocess.Popen(
+                list(args), cwd=PROJECT, env={**self.env, **(env or {})}, text=True,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            log.seek(0)
+            out = log.read()
+        if timed_out:
+            raise AssertionError(f"{' '.join(args)} did not finish in {timeout}s:\n{out}")
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{out}")
         return proc.returncode, out
@@ -204,32 +222,32 @@ def test_two_rounds_over_tls_with_supernode_auth(deployment, tmp_path):
     started = time.monotonic()
     config = write_toml(tmp_path / "run.toml", {
         "num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "local-epochs": 1, "batch-size": 128,
-        "test-subset": 200, "threads": 1, "checkpoint-every": 0, "round-timeout": 300.0,
+        "max-shard-size": SHARD_IMAGES, "test-subset": 200, "threads": 1, "checkpoint-every": 0, "round-timeout": 300.0,
         "data-dir": str(SHARED_DATA), "output-dir": str(tmp_path / "results"), "run-name": "deploy",
     })
 
-    # Shards of the run config, exactly as the simulation cuts them.
+    # Shards of the run config, exactly as the simulation cuts them (checked index for index by
+    # test_export_shards_are_the_simulation_shards); each SuperNode gets one through data-path.
     exported = tmp_path / "shards"
     cli = shutil.which("fedmask-export-shards", path=dep.env["PATH"])
     command = [cli] if cli else [sys.executable, "-m", "fedmask_app.cli.export_shards"]
     dep.run(*command, str(exported), "--run-config", str(config), timeout=180)
     manifest = json.loads((exported / "shards.json").read_text())
     assert [p["partition-id"] for p in manifest["partitions"]] == [0, 1]
-    if os.environ.get("FEDMASK_DEPLOY_TEST_FULL_SHARDS") == "1":
-        device_shards = exported
-    else:
-        device_shards = tmp_path / "device-shards"
-        for pid in (0, 1):
-            partition_id, images, labels = load_shard_file(exported / f"shard-{pid}.npz")
-            write_shard_file(device_shards / f"shard-{pid}.npz", partition_id, images[:SHARD_IMAGES],
-                             labels[:SHARD_IMAGES])
-    shard_sizes = [len(load_shard_file(device_shards / f"shard-{pid}.npz")[2]) for pid in (0, 1)]
+    shard_sizes = [len(load_shard_file(exported / f"shard-{pid}.npz")[2]) for pid in (0, 1)]
+    assert shard_sizes == [p["size"] for p in manifest["partitions"]] == [SHARD_IMAGES] * 2
 
     # CA + server certificate, TLS SuperLink with SuperNode auth, the connection in FLWR_HOME.
     dep.script("make-certs.sh", timeout=60)
     dep.script("start-superlink.sh", timeout=90)
+    ca = dep.dir / "certs" / "ca.crt"
+    port = int(dep.env["FEDMASK_SUPERLINK_PORT"])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:  # TLS, certificate of our CA
+        context = ssl.create_default_context(cafile=str(ca))
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            assert tls.version() in ("TLSv1.2", "TLSv1.3")
     flwr_config = (dep.flwr_home / "config.toml").read_text()
-    assert f"[superlink.{FEDERATION}]" in flwr_config and str(dep.dir / "certs" / "ca.crt") in flwr_config
+    assert f"[superlink.{FEDERATION}]" in flwr_config and str(ca) in flwr_config
 
     # Two registered SuperNode keys and one that is never registered.
     for name in ("sn0", "sn1"):
@@ -237,12 +255,12 @@ def test_two_rounds_over_tls_with_supernode_auth(deployment, tmp_path):
     dep.script("add-supernode.sh", "rogue", "--no-register", timeout=60)
 
     # The unregistered key is refused: flower-supernode logs exit code 305 and exits non-zero.
-    code, out = dep.script("start-supernode.sh", "rogue", str(device_shards / "shard-0.npz"),
+    code, out = dep.script("start-supernode.sh", "rogue", str(exported / "shard-0.npz"),
                            str(dep.runtime_ports[2]), check=False, timeout=90, env={"FEDMASK_FOREGROUND": "1"})
     assert code != 0 and "Exit Code: 305" in out, out
 
     for name, pid, port in (("sn0", 0, dep.runtime_ports[0]), ("sn1", 1, dep.runtime_ports[1])):
-        dep.script("start-supernode.sh", name, str(device_shards / f"shard-{pid}.npz"), str(port), timeout=90)
+        dep.script("start-supernode.sh", name, str(exported / f"shard-{pid}.npz"), str(port), timeout=90)
 
     # Both registered SuperNodes come online (the refused one never does).
     deadline, online = time.monotonic() + 60, 0
@@ -270,7 +288,6 @@ def test_two_rounds_over_tls_with_supernode_auth(deployment, tmp_path):
         assert int(row["num_clients"]) == 2
         assert int(row["num_failures"]) == 0
         assert row["cohort"] == "0 1"
-        # The SuperNodes trained on their data-path files, not on shards recomputed from the data.
         assert int(row["num_examples"]) == sum(shard_sizes)
         assert np.isfinite(float(row["train_loss"])) and 0 <= float(row["test_accuracy"]) <= 1
     print(f"deployment test body: {time.monotonic() - started:.1f}s")

@@ -3,7 +3,8 @@
 A real device (a ``flower-supernode``) gets one of these files through its node config,
 ``--node-config 'data-path="/abs/shard-<id>.npz"'``; the ClientApp then trains on exactly the
 shard the simulation and the local engine give that partition id. The files depend only on the
-keys that define the partition (seed, num-clients, alpha, min-partition-size, identical-shards)
+keys that define the partition (seed, num-clients, alpha, min-partition-size, max-shard-size,
+identical-shards)
 and the data set, which ``shards.json`` records next to them.
 """
 
@@ -27,7 +28,7 @@ from fedmask_app.shards import write_shard_file
 from fedmask_app.task import client_shards
 
 MANIFEST = "shards.json"
-PARTITION_KEYS = ("seed", "num-clients", "alpha", "min-partition-size", "identical-shards")
+PARTITION_KEYS = ("seed", "num-clients", "alpha", "min-partition-size", "max-shard-size", "identical-shards")
 
 
 def shard_file_name(partition_id: int) -> str:
