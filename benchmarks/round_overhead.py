@@ -37,7 +37,8 @@ WORKLOAD = {
 
 
 def config(args: argparse.Namespace, out: Path, name: str, threads: int):
-    values = {**WORKLOAD, "num-rounds": args.warmup + args.rounds, "data-dir": str(Path(args.data_dir).resolve()),
+    values = {**WORKLOAD, "max-shard-size": args.samples, "local-epochs": args.epochs,
+              "num-rounds": args.warmup + args.rounds, "data-dir": str(Path(args.data_dir).resolve()),
               "output-dir": str(out), "run-name": name, "threads": threads}
     return load_run_config([f"{k}={toml_value(v)}" for k, v in values.items()])
 
@@ -63,6 +64,8 @@ def main() -> None:
     parser.add_argument("--data-dir", default="../shared/data")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per engine (median reported)")
+    parser.add_argument("--samples", type=int, default=64, help="samples per client (the issue's workload: 64)")
+    parser.add_argument("--epochs", type=int, default=1, help="local epochs (the issue's workload: 1)")
     parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per virtual client in the simulation")
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the bare loop and local engine "
                         "(0: all cores)")
@@ -84,10 +87,10 @@ def main() -> None:
     run_with_flower(flower_cfg, num_cpus=args.num_cpus, num_gpus=0.0, on_line=on_line)
     flower = round_seconds(flower_cfg)[args.warmup:]
 
-    images = WORKLOAD["clients-per-round"] * WORKLOAD["max-shard-size"] * WORKLOAD["local-epochs"]
+    images = WORKLOAD["clients-per-round"] * args.samples * args.epochs
     a, b, c = (statistics.median(t) for t in (bare, flower, local))
-    print(f"workload: {WORKLOAD['clients-per-round']} clients x {WORKLOAD['max-shard-size']} samples, "
-          f"bs {WORKLOAD['batch-size']}, 1 epoch, ResNet-18/GN; "
+    print(f"workload: {WORKLOAD['clients-per-round']} clients x {args.samples} samples, "
+          f"bs {WORKLOAD['batch-size']}, {args.epochs} epoch(s), ResNet-18/GN; "
           f"median of {args.rounds} rounds after {args.warmup} warm-up")
     print(f"(a) bare loop         {a:7.3f} s/round  {images / a:7.1f} images/s")
     print(f"(c) local engine      {c:7.3f} s/round  {images / c:7.1f} images/s  ratio c/a = {c / a:.3f}")

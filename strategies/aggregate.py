@@ -22,32 +22,33 @@ def client_weights(num_examples: Sequence[int], aggregation: str) -> list[float]
 
 
 @dataclass
-class MeanUpdate:
+class MaskedMeanUpdate:
     """Σ_k w_k (m_k^(b)/p) Δ_k^(b), accumulated in float64 one client at a time."""
 
-    _sum: list[np.ndarray] = field(default_factory=list)
+    steps: list[np.ndarray] = field(default_factory=list)
 
-    def add(self, update: Sequence, weight: float, block_scales: Sequence[float] | None = None) -> None:
-        """Fold in w_k · Δ̃_k; ``block_scales`` are the m^(b)/p of the client's mask (None: unmasked)."""
-        scales = [1.0] * len(update) if block_scales is None else block_scales
-        if len(scales) != len(update):
-            raise ValueError(f"mask has {len(scales)} blocks, update has {len(update)}")
-        first = not self._sum
-        for b, (block, scale) in enumerate(zip(update, scales, strict=True)):
+    def add(self, update: Sequence, weight: float, block_scales: Sequence[float]) -> None:
+        """Fold in w_k · Δ̃_k; ``block_scales`` are the m^(b)/p of the client's mask."""
+        if len(block_scales) != len(update):
+            raise ValueError(f"mask has {len(block_scales)} blocks, update has {len(update)}")
+        first = not self.steps
+        for b, (block, scale) in enumerate(zip(update, block_scales, strict=True)):
             coef = weight * scale
             if first:
-                self._sum.append(np.asarray(block, dtype=np.float64) * coef)
+                self.steps.append(np.asarray(block, dtype=np.float64) * coef)
             elif coef != 0.0:
-                self._sum[b] += coef * np.asarray(block, dtype=np.float64)
+                self.steps[b] += coef * np.asarray(block, dtype=np.float64)
 
-    def apply_to(self, global_params: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """θ − Σ_k w_k Δ̃_k, in the dtype of θ."""
-        if len(global_params) != len(self._sum):
-            raise ValueError(f"model has {len(global_params)} blocks, updates have {len(self._sum)}")
-        return [
-            (np.asarray(theta, dtype=np.float64) - step).astype(np.asarray(theta).dtype)
-            for theta, step in zip(global_params, self._sum, strict=True)
-        ]
+
+def apply_step(global_params: Sequence[np.ndarray], steps: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """θ − Σ_k w_k Δ̃_k, block by block, in the dtype and shape of θ."""
+    if len(global_params) != len(steps):
+        raise ValueError(f"model has {len(global_params)} blocks, updates have {len(steps)}")
+    out = []
+    for theta, step in zip(global_params, steps, strict=True):
+        theta = np.asarray(theta)
+        out.append((theta.astype(np.float64) - step.reshape(theta.shape)).astype(theta.dtype))
+    return out
 
 
 @dataclass
@@ -105,14 +106,18 @@ def aggregate_cohort(
     counts = [r.num_examples for r in ordered]
     weights = client_weights(counts, aggregation)
     stats = CohortStatistics()
-    mean_update = MeanUpdate()
+    masked = MaskedMeanUpdate() if any(r.keep is not None for r in ordered) else None
     for reply, weight in zip(ordered, weights, strict=True):
-        stats.add(reply.update, float(reply.num_examples))
-        scales = None if reply.keep is None else mask_scales(reply.keep, keep_prob)
-        mean_update.add(reply.update, weight, scales)
+        update = [np.asarray(block, dtype=np.float64) for block in reply.update]  # converted once, used twice
+        stats.add(update, float(reply.num_examples))
+        if masked is not None:
+            keep = [True] * len(update) if reply.keep is None else reply.keep
+            masked.add(update, weight, mask_scales(keep, keep_prob))
+    # Unmasked, the mean update is one of the sums the statistics already hold.
+    steps = masked.steps if masked is not None else stats.mean_update(weighted=aggregation == "weighted")
     total = sum(counts)
     return CohortResult(
-        params=mean_update.apply_to(global_params),
+        params=apply_step(global_params, steps),
         stats=stats.result(),
         train_loss=sum(r.train_loss * r.num_examples for r in ordered) / total,
         num_examples=total,

@@ -72,6 +72,12 @@ class CohortStatistics:
         self.sum_sq_norms += sq_norm
         self.weighted_sum_sq_norms += weight * weight * sq_norm
 
+    def mean_update(self, weighted: bool) -> list[np.ndarray]:
+        """Σ_k w_k Δ_k as flat float64 blocks: w_k = n_k / Σ_j n_j when ``weighted``, else 1/K_c."""
+        if weighted:
+            return [s / self.total_weight for s in self._weighted_sum]
+        return [s / self.cohort_size for s in self._sum]
+
     def result(self) -> dict[str, float]:
         """The statistics of PAPER.md for the updates added so far."""
         k = self.cohort_size

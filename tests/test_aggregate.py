@@ -10,8 +10,9 @@ import pytest
 
 from strategies.aggregate import (
     ClientReply,
-    MeanUpdate,
+    MaskedMeanUpdate,
     aggregate_cohort,
+    apply_step,
     client_weights,
     reply_problem,
 )
@@ -173,33 +174,40 @@ def test_no_replies_raises():
         aggregate_cohort(THETA, [], "weighted", 0.5)
 
 
-def test_mean_update_checks_block_counts():
-    acc = MeanUpdate()
+def test_masked_mean_update_checks_block_counts():
+    acc = MaskedMeanUpdate()
     with pytest.raises(ValueError, match="blocks"):
         acc.add([np.ones(2), np.ones(1)], 1.0, block_scales=[1.0])
-    acc.add([np.ones(2)], 0.5)
+    acc.add([np.ones(2)], 0.5, block_scales=[1.0])
     with pytest.raises(ValueError, match="blocks"):
-        acc.apply_to([np.ones(2), np.ones(1)])
-    np.testing.assert_array_equal(acc.apply_to([np.zeros(2)]), [[-0.5, -0.5]])
+        apply_step([np.ones(2), np.ones(1)], acc.steps)
+    np.testing.assert_array_equal(apply_step([np.zeros(2)], acc.steps), [[-0.5, -0.5]])
 
 
-def test_mean_update_first_client_masked_out():
-    acc = MeanUpdate()
+def test_masked_mean_update_first_client_masked_out():
+    acc = MaskedMeanUpdate()
     acc.add([np.array([5.0]), np.array([1.0])], 0.5, block_scales=[0.0, 2.0])
     acc.add([np.array([3.0]), np.array([1.0])], 0.5, block_scales=[2.0, 0.0])
-    out = acc.apply_to([np.array([10.0]), np.array([10.0])])
+    out = apply_step([np.array([10.0]), np.array([10.0])], acc.steps)
     np.testing.assert_array_equal(out[0], [10.0 - 3.0])
     np.testing.assert_array_equal(out[1], [10.0 - 1.0])
 
 
-def test_mean_update_accumulates_in_float64():
+@pytest.mark.parametrize("keep", [None, [True]])
+def test_mean_update_accumulates_in_float64(keep):
     big = np.array([2.0**24], dtype=np.float32)
     one = np.array([1.0], dtype=np.float32)
-    acc = MeanUpdate()
-    for block in (big, one, -big):
-        acc.add([block], 1.0)
-    # A float32 running sum would give 2^24 + 1 → 2^24, then 0.
-    np.testing.assert_array_equal(acc.apply_to([np.zeros(1, dtype=np.float32)])[0], [-1.0])
+    replies = [ClientReply(k, 1, 0.0, [block], keep) for k, block in enumerate((big, one, -big))]
+    out = aggregate_cohort([np.zeros(1, dtype=np.float32)], replies, "uniform", 1.0)
+    # A float32 running sum would give 2^24 + 1 → 2^24, then 0; the mean is 1/3.
+    np.testing.assert_allclose(out.params[0], [-1.0 / 3.0], rtol=1e-7)
+
+
+def test_apply_step_keeps_shape_and_dtype():
+    theta = [np.ones((2, 3), dtype=np.float32)]
+    out = apply_step(theta, [np.full(6, 0.5)])
+    assert out[0].shape == (2, 3) and out[0].dtype == np.float32
+    np.testing.assert_array_equal(out[0], np.full((2, 3), 0.5, dtype=np.float32))
 
 
 # ---------------------------------------------------------------------------------------------
