@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from filelock import FileLock
 
+from fedmask_app.files import atomic_write
+
 FILE_NAME = "cifar10.npz"
 CONTENT_SHA256 = "6b3883dca6c867f1e58def548c063d1865569b8575fcbce06b3e468a89f9895a"
 DATA_DIR_ENV = "FEDMASK_DATA_DIR"
@@ -96,19 +98,6 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
             return {name: npz[name] for name in npz.files if name in ARRAYS}
     except Exception as exc:  # a truncated or foreign file fails in many ways
         raise DataError(f"{path} is corrupt or not an .npz file ({exc}); it was not used") from exc
-
-
-def _write_npz_atomically(arrays: dict[str, np.ndarray], path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **{name: arrays[name] for name in ARRAYS})
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def fetch_with_torchvision(workdir: Path) -> dict[str, np.ndarray]:
@@ -182,7 +171,7 @@ def ensure_cifar10(data_dir: Path, fetchers=FETCHERS) -> Path:
                 except Exception as exc:  # try the next source, report all at the end
                     errors.append(f"{fetch.__name__}: {exc}")
                     continue
-            _write_npz_atomically(arrays, path)
+            atomic_write(path, lambda f, arrays=arrays: np.savez(f, **{name: arrays[name] for name in ARRAYS}))
             return path
     raise DataError(f"could not fetch CIFAR-10 into {data_dir}: " + " | ".join(errors))
 

@@ -9,7 +9,6 @@ import math
 import os
 import platform
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -19,15 +18,10 @@ import numpy as np
 import torch
 
 from fedmask_app.config import PROJECT_ROOT, RunConfig
+from fedmask_app.files import atomic_write, atomic_write_json
+from fedmask_app.schema import CHECKPOINT_FILE, CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE
 
-COLUMNS = (
-    "round", "recovery", "recovery_weighted", "mean_sq_norm", "sq_norm_of_mean", "sigma2_hat", "mu2_hat",
-    "test_accuracy", "test_loss", "train_loss", "num_clients", "num_examples", "num_failures", "cohort",
-    "seconds",
-)
-ROUNDS_FILE = "rounds.csv"
-CONFIG_FILE = "config.json"
-CHECKPOINT_FILE = "checkpoint.pt"
+COLUMNS = ROUND_COLUMNS
 PACKAGES = ("torch", "torchvision", "numpy", "flwr", "flwr-datasets", "ray", "pandas")
 
 
@@ -39,19 +33,6 @@ class ResultsError(RuntimeError):
 class Checkpoint:
     server_round: int
     params: list[np.ndarray]
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _cell(value: Any) -> Any:
@@ -130,7 +111,7 @@ class RunResults:
         else:
             results._keep_rounds_up_to(0)
             results.checkpoint_path.unlink(missing_ok=True)
-        _atomic_write(results.config_path, lambda f: f.write(json.dumps(meta, indent=2).encode() + b"\n"))
+        atomic_write_json(results.config_path, meta)
         return results, checkpoint
 
     def _check_same_run(self, run_config: dict[str, Any]) -> None:
@@ -157,7 +138,7 @@ class RunResults:
             writer.writerows(rows)
             f.write(text.getvalue().encode())
 
-        _atomic_write(self.rounds_path, write)
+        atomic_write(self.rounds_path, write)
 
     def append_row(self, row: dict[str, Any]) -> None:
         """Append one round and flush it to disk before the next round starts."""
@@ -175,7 +156,7 @@ class RunResults:
         """The global model after ``server_round``; every random draw is derived from
         (seed, round, partition id), so the round and θ are all a resume needs."""
         state = {"round": server_round, "params": [torch.from_numpy(np.ascontiguousarray(p)) for p in params]}
-        _atomic_write(self.checkpoint_path, lambda f: torch.save(state, f))
+        atomic_write(self.checkpoint_path, lambda f: torch.save(state, f))
 
     def load_checkpoint(self) -> Checkpoint | None:
         if not self.checkpoint_path.is_file():

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from fedmask_app.files import atomic_write
+
 
 def write_shard_file(path: Path, partition_id: int, images: np.ndarray, labels: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, partition_id=np.int64(partition_id), images=images, labels=labels)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: np.savez(f, partition_id=np.int64(partition_id), images=images, labels=labels))
 
 
 def load_shard_file(path: str | Path) -> tuple[int, np.ndarray, np.ndarray]:

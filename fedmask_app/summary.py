@@ -34,15 +34,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-# rounds.csv's columns; the same tuple as fedmask_app.results.COLUMNS (kept here so that reading
-# results does not import torch; tests/test_report.py checks that the two agree).
-ROUND_COLUMNS = (
-    "round", "recovery", "recovery_weighted", "mean_sq_norm", "sq_norm_of_mean", "sigma2_hat", "mu2_hat",
-    "test_accuracy", "test_loss", "train_loss", "num_clients", "num_examples", "num_failures", "cohort",
-    "seconds",
-)
-ROUNDS_FILE = "rounds.csv"
-CONFIG_FILE = "config.json"
+from fedmask_app.schema import CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE
+
 # The statistics the paper reports per configuration (median over the window, then over seeds).
 METRICS = ("recovery", "recovery_weighted", "mu2_hat", "sigma2_hat", "test_accuracy")
 REPORTED = (*METRICS, "pct_below_1")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flwr_runner import SHARED_DATA, write_run_config
 
 from fedmask_app.cli import export_shards
 from fedmask_app.config import load_run_config
@@ -33,26 +34,12 @@ from fedmask_app.task import client_shards
 
 PROJECT = Path(__file__).resolve().parents[1]
 DEPLOY = PROJECT / "deploy"
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FEDERATION = "fedmask-test"
 # Uncapped, the shards of a 2-client run hold 25000 images each: two rounds of ResNet-18 on them
 # take minutes on a 2-core CPU. The test run caps them with max-shard-size.
 SHARD_IMAGES = 256
 
 needs_data = pytest.mark.skipif(not (SHARED_DATA / FILE_NAME).is_file(), reason=f"no {SHARED_DATA / FILE_NAME}")
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
-
-
-def write_toml(path: Path, values: dict) -> Path:
-    path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in values.items()))
-    return path
 
 
 def free_ports(n: int) -> list[int]:
@@ -220,7 +207,7 @@ def deployment(tmp_path):
 def test_two_rounds_over_tls_with_supernode_auth(deployment, tmp_path):
     dep = deployment
     started = time.monotonic()
-    config = write_toml(tmp_path / "run.toml", {
+    config = write_run_config(tmp_path / "run.toml", {
         "num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "local-epochs": 1, "batch-size": 128,
         "max-shard-size": SHARD_IMAGES, "test-subset": 200, "threads": 1, "checkpoint-every": 0, "round-timeout": 300.0,
         "data-dir": str(SHARED_DATA), "output-dir": str(tmp_path / "results"), "run-name": "deploy",

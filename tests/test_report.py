@@ -7,10 +7,13 @@ import csv
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from flwr_runner import SHARED_DATA
 
 from fedmask_app import summary
 from fedmask_app.cli import report
@@ -18,7 +21,6 @@ from fedmask_app.cli import report
 NAN = float("nan")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROJECT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def write_run(root: Path, name: str, config: dict, rows: list[dict], tail: str = "") -> Path:
@@ -69,10 +71,9 @@ def runs_root(tmp_path: Path) -> Path:
     return root
 
 
-def test_round_columns_match_results_module():
-    from fedmask_app.results import COLUMNS
-
-    assert summary.ROUND_COLUMNS == COLUMNS
+def test_reading_results_does_not_import_torch():
+    code = "import sys, fedmask_app.summary, fedmask_app.cli.report; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_window_median_pct_below_1_and_incomplete_runs(runs_root):

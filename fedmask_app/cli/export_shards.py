@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedmask_app.config import ConfigError, RunConfig, load_run_config
+from fedmask_app.cli.common import add_run_config_arguments, run_config_from_args
+from fedmask_app.config import RunConfig
 from fedmask_app.data import CONTENT_SHA256, DataError, load_cifar10, resolve_data_dir
+from fedmask_app.files import atomic_write_json
 from fedmask_app.shards import write_shard_file
 from fedmask_app.task import client_shards
 
@@ -72,7 +71,7 @@ def export_shards(cfg: RunConfig, out_dir: Path, echo=print) -> dict[str, Any]:
         "partitions": entries,
         "node-config": "data-path=\"<absolute path of shard-<id>.npz>\"",
     }
-    _write_json(out_dir / MANIFEST, manifest)
+    atomic_write_json(out_dir / MANIFEST, manifest)
     current = {entry["file"] for entry in entries}
     for stale in sorted(out_dir.glob("shard-*.npz")):  # from an earlier export with more clients
         if stale.name not in current and re.fullmatch(r"shard-\d+\.npz", stale.name):
@@ -82,18 +81,6 @@ def export_shards(cfg: RunConfig, out_dir: Path, echo=print) -> dict[str, Any]:
     return manifest
 
 
-def _write_json(path: Path, value: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fedmask-export-shards",
@@ -101,14 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         "for SuperNodes started with --node-config 'data-path=\"OUT_DIR/shard-<id>.npz\"'.",
     )
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="folder for the shard files")
-    parser.add_argument("--run-config", nargs="+", default=[], metavar="FILE.toml | key=value",
-                        help="one .toml file, or key=value pairs (as flwr run --run-config)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="more key=value overrides")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_run_config(args.run_config + args.overrides)
-    except ConfigError as exc:
-        print(f"fedmask-export-shards: {exc}", file=sys.stderr)
+    add_run_config_arguments(parser)
+    args = parser.parse_intermixed_args(argv)
+    cfg = run_config_from_args("fedmask-export-shards", args)
+    if cfg is None:
         return 2
     if args.out_dir.exists() and not args.out_dir.is_dir():
         print(f"fedmask-export-shards: {args.out_dir} exists and is not a folder", file=sys.stderr)

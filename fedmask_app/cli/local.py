@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fedmask_app.config import ConfigError, load_run_config
+from fedmask_app.cli.common import add_run_config_arguments, run_config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,14 +13,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="fedmask-local",
         description="Run fedmask without Flower's transport: same config keys, same results folder.",
     )
-    parser.add_argument("--run-config", nargs="+", default=[], metavar="FILE.toml | key=value",
-                        help="one .toml file, or key=value pairs (as flwr run --run-config)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="more key=value overrides")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_run_config(args.run_config + args.overrides)
-    except ConfigError as exc:
-        print(f"fedmask-local: {exc}", file=sys.stderr)
+    add_run_config_arguments(parser)
+    cfg = run_config_from_args("fedmask-local", parser.parse_intermixed_args(argv))
+    if cfg is None:
         return 2
     from fedmask_app.local_engine import run_local
     from fedmask_app.results import ResultsError

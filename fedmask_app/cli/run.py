@@ -16,7 +16,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from fedmask_app.config import PROJECT_ROOT, ConfigError, RunConfig, load_run_config
+from fedmask_app.cli.common import add_run_config_arguments, run_config_from_args
+from fedmask_app.config import PROJECT_ROOT, RunConfig
 
 
 def toml_value(value) -> str:
@@ -64,16 +65,13 @@ def run_with_flower(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedmask-run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", nargs="*", metavar="FILE.toml | key=value",
-                        help="run-config overrides: .toml files and key=value pairs, applied in order")
+    add_run_config_arguments(parser)
     parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per virtual client (default 1)")
     parser.add_argument("--num-gpus", type=float, default=None,
                         help="GPU fraction per virtual client (default 0.25 with CUDA, else 0)")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_run_config(args.config)
-    except ConfigError as exc:
-        print(f"fedmask-run: {exc}", file=sys.stderr)
+    args = parser.parse_intermixed_args(argv)
+    cfg = run_config_from_args("fedmask-run", args)
+    if cfg is None:
         return 2
     code = run_with_flower(cfg, args.num_cpus, args.num_gpus)
     from fedmask_app.results import is_complete
