@@ -12,7 +12,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedmask_app.config import RunConfig
-from fedmask_app.shards import load_shard_file
+from fedmask_app.shards import check_shard_matches, load_shard_file
 from fedmask_app.task import ClientTask, cached_client_task
 from strategies.masked_fedavg import message_from_reply
 
@@ -26,8 +26,9 @@ def _run_config(items: tuple) -> RunConfig:
 
 @functools.lru_cache(maxsize=4)
 def _device_task(cfg: RunConfig, data_path: str) -> tuple[int, ClientTask]:
-    partition_id, images, labels = load_shard_file(data_path)
-    return partition_id, ClientTask(cfg, shard_arrays={partition_id: (images, labels)})
+    shard = load_shard_file(data_path)
+    check_shard_matches(shard, cfg, data_path)
+    return shard.partition_id, ClientTask(cfg, shard_arrays={shard.partition_id: (shard.images, shard.labels)})
 
 
 def _client(context: Context) -> tuple[RunConfig, int, ClientTask]:

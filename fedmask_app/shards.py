@@ -1,27 +1,64 @@
-"""Shard files for real devices: one client's images and labels, written by fedmask-export-shards."""
+"""Shard files for real devices: one client's images and labels, written by fedmask-export-shards,
+with the run-config keys that define the partition, so a device cannot train on the shard of
+another configuration unnoticed."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from fedmask_app.config import RunConfig
 from fedmask_app.files import atomic_write
 
+PARTITION_KEYS = ("seed", "num-clients", "alpha", "min-partition-size", "max-shard-size", "identical-shards")
 
-def write_shard_file(path: Path, partition_id: int, images: np.ndarray, labels: np.ndarray) -> None:
+
+def partition_config(cfg: RunConfig) -> dict[str, Any]:
+    """The run-config keys that define the shards, as in the run config."""
+    values = cfg.to_mapping()
+    return {key: values[key] for key in PARTITION_KEYS}
+
+
+@dataclass(frozen=True)
+class Shard:
+    partition_id: int
+    images: np.ndarray  # uint8, N x 32 x 32 x 3
+    labels: np.ndarray  # int64, N
+    config: dict[str, Any]  # partition_config of the run that wrote it
+
+
+def write_shard_file(path: Path, partition_id: int, images: np.ndarray, labels: np.ndarray, cfg: RunConfig) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: np.savez(f, partition_id=np.int64(partition_id), images=images, labels=labels))
+    config = np.array(json.dumps(partition_config(cfg), sort_keys=True))
+    atomic_write(path, lambda f: np.savez(
+        f, partition_id=np.int64(partition_id), images=images, labels=labels, partition_config=config,
+    ))
 
 
-def load_shard_file(path: str | Path) -> tuple[int, np.ndarray, np.ndarray]:
-    """(partition id, uint8 HWC images, int64 labels) of one device's shard."""
+def load_shard_file(path: str | Path) -> Shard:
+    """One device's shard, checked for shape and type."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"shard file {path} (node config data-path) does not exist")
     with np.load(path, allow_pickle=False) as npz:
         images, labels = npz["images"], npz["labels"]
         well_formed = images.dtype == np.uint8 and images.shape[1:] == (32, 32, 3) and len(images) == len(labels)
-        if not well_formed:
+        if not well_formed or "partition_config" not in npz.files:
             raise ValueError(f"{path} is not a fedmask shard file (images {images.dtype}{images.shape})")
-        return int(npz["partition_id"]), images, labels.astype(np.int64)
+        config = json.loads(str(npz["partition_config"]))
+        return Shard(int(npz["partition_id"]), images, labels.astype(np.int64), config)
+
+
+def check_shard_matches(shard: Shard, cfg: RunConfig, path: str | Path) -> None:
+    """Refuse a shard exported for another partition than this run's."""
+    expected = partition_config(cfg)
+    if shard.config != expected:
+        diffs = ", ".join(
+            f"{k}: shard {shard.config.get(k)!r}, run {expected[k]!r}" for k in PARTITION_KEYS
+            if shard.config.get(k) != expected[k]
+        )
+        raise ValueError(f"shard file {path} was exported for another partition ({diffs}): re-export it")

@@ -29,7 +29,7 @@ from fedmask_app.cli import export_shards
 from fedmask_app.config import load_run_config
 from fedmask_app.data import CONTENT_SHA256, FILE_NAME, load_cifar10
 from fedmask_app.results import COLUMNS
-from fedmask_app.shards import load_shard_file
+from fedmask_app.shards import check_shard_matches, load_shard_file
 from fedmask_app.task import client_shards
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -82,14 +82,25 @@ def check_export(out: Path, overrides: list[str], max_shard_size: int) -> None:
     assert [p["partition-id"] for p in manifest["partitions"]] == [0, 1, 2]
     assert sorted(p.name for p in out.iterdir()) == ["shard-0.npz", "shard-1.npz", "shard-2.npz", "shards.json"]
     for pid, indices in enumerate(expected):
-        partition_id, images, labels = load_shard_file(out / f"shard-{pid}.npz")
-        assert partition_id == pid
+        shard = load_shard_file(out / f"shard-{pid}.npz")
+        labels = shard.labels
+        assert shard.partition_id == pid and shard.config == manifest["config"]
+        check_shard_matches(shard, cfg, out)
         np.testing.assert_array_equal(labels, data.y_train[indices])
-        np.testing.assert_array_equal(images, data.x_train[indices])
+        np.testing.assert_array_equal(shard.images, data.x_train[indices])
         entry = manifest["partitions"][pid]
         assert entry["size"] == len(indices) and (not max_shard_size or len(indices) == max_shard_size)
         assert entry["indices-sha256"] == hashlib.sha256(indices.astype("<i8").tobytes()).hexdigest()
         assert entry["label-counts"] == np.bincount(labels, minlength=10).tolist()
+
+
+def test_a_shard_of_another_partition_is_refused(tmp_path):
+    overrides = ["num-clients=3", "clients-per-round=2", "max-shard-size=50", f'data-dir="{SHARED_DATA}"']
+    assert export_shards.main([str(tmp_path), *overrides]) == 0
+    shard = load_shard_file(tmp_path / "shard-1.npz")
+    other = load_run_config([*overrides, "seed=1"])
+    with pytest.raises(ValueError, match=r"another partition \(seed: shard 0, run 1\)"):
+        check_shard_matches(shard, other, tmp_path / "shard-1.npz")
 
 
 def test_export_shards_config_error_exits_2(tmp_path, capsys):
@@ -221,7 +232,7 @@ def test_two_rounds_over_tls_with_supernode_auth(deployment, tmp_path):
     dep.run(*command, str(exported), "--run-config", str(config), timeout=180)
     manifest = json.loads((exported / "shards.json").read_text())
     assert [p["partition-id"] for p in manifest["partitions"]] == [0, 1]
-    shard_sizes = [len(load_shard_file(exported / f"shard-{pid}.npz")[2]) for pid in (0, 1)]
+    shard_sizes = [len(load_shard_file(exported / f"shard-{pid}.npz").labels) for pid in (0, 1)]
     assert shard_sizes == [p["size"] for p in manifest["partitions"]] == [SHARD_IMAGES] * 2
 
     # CA + server certificate, TLS SuperLink with SuperNode auth, the connection in FLWR_HOME.

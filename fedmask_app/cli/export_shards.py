@@ -23,11 +23,10 @@ from fedmask_app.cli.common import add_run_config_arguments, run_config_from_arg
 from fedmask_app.config import RunConfig
 from fedmask_app.data import CONTENT_SHA256, DataError, load_cifar10, resolve_data_dir
 from fedmask_app.files import atomic_write_json
-from fedmask_app.shards import write_shard_file
+from fedmask_app.shards import partition_config, write_shard_file
 from fedmask_app.task import client_shards
 
 MANIFEST = "shards.json"
-PARTITION_KEYS = ("seed", "num-clients", "alpha", "min-partition-size", "max-shard-size", "identical-shards")
 
 
 def shard_file_name(partition_id: int) -> str:
@@ -39,12 +38,6 @@ def indices_sha256(indices: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(indices, dtype="<i8").tobytes()).hexdigest()
 
 
-def partition_config(cfg: RunConfig) -> dict[str, Any]:
-    """The run-config keys that define the shards, as in the run config."""
-    values = cfg.to_mapping()
-    return {key: values[key] for key in PARTITION_KEYS}
-
-
 def export_shards(cfg: RunConfig, out_dir: Path, echo=print) -> dict[str, Any]:
     """Write ``shard-<id>.npz`` for every partition id of ``cfg`` and ``shards.json``; return the manifest."""
     out_dir = Path(out_dir).expanduser().resolve()
@@ -54,7 +47,7 @@ def export_shards(cfg: RunConfig, out_dir: Path, echo=print) -> dict[str, Any]:
     entries = []
     for partition_id, indices in enumerate(shards):
         path = out_dir / shard_file_name(partition_id)
-        write_shard_file(path, partition_id, data.x_train[indices], data.y_train[indices])
+        write_shard_file(path, partition_id, data.x_train[indices], data.y_train[indices], cfg)
         counts = np.bincount(data.y_train[indices], minlength=10)
         entries.append({
             "partition-id": partition_id,
