@@ -4,6 +4,7 @@ combination of the axes is one run, named after its cell and seed."""
 from __future__ import annotations
 
 import itertools
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,9 @@ class GridRun:
 
 
 def _label(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    """An axis value as it appears in a folder name (characters other than A-Z a-z 0-9 . _ - become -)."""
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return re.sub(r"[^A-Za-z0-9._-]", "-", text)
 
 
 def load_grid(path: Path) -> list[GridRun]:

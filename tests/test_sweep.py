@@ -1,0 +1,97 @@
+"""fedmask-sweep: one run after another, failures reported, complete runs skipped, resume after a kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+from flwr_runner import PROJECT, SHARED_DATA, FlowerRunner
+
+from fedmask_app.cli import sweep
+from strategies.cohort import sample_cohort
+
+pytestmark = pytest.mark.slow
+
+BASE = """
+[base]
+num-clients = 100
+clients-per-round = 2
+max-shard-size = 64
+num-rounds = {rounds}
+local-epochs = 1
+test-subset = 100
+checkpoint-every = 1
+threads = 1
+min-clients = 2
+"""
+
+
+def write_grid(path, rounds: int, axes: str):
+    path.write_text(BASE.format(rounds=rounds) + "\n[axes]\n" + axes)
+    return path
+
+
+def data_dir() -> str:
+    return f'data-dir="{SHARED_DATA}"'
+
+
+def test_failed_run_is_reported_and_the_rest_goes_on_then_complete_runs_are_skipped(tmp_path, capsys):
+    pid = sample_cohort(1, 1, range(100), 2)[0]
+    grid = write_grid(tmp_path / "grid.toml", 2, f'seed = [1]\ninject-fault = ["", "raise:{pid}:1"]\n')
+    out = tmp_path / "out"
+    args = [str(grid), "--engine", "local", "--output-dir", str(out), data_dir()]
+    assert sweep.main(args) == 1
+    printed = capsys.readouterr()
+    good = out / "seed=1_inject-fault=" / "rounds.csv"
+    assert pd.read_csv(good)["round"].tolist() == [1, 2]
+    assert f"seed=1_inject-fault=raise-{pid}-1 FAILED" in printed.out + printed.err
+    assert "seed=1_inject-fault= complete" in printed.out + printed.err
+    assert "1 runs completed, 1 failed" in printed.out
+
+    assert sweep.main([*args, "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    assert "2 runs, 1 complete, 1 to run" in listing
+    assert "seed=1_inject-fault=: complete" in listing
+
+
+def test_a_killed_sweep_resumes_where_it_stopped(tmp_path):
+    grid = write_grid(tmp_path / "grid.toml", 4, "seed = [3]\n")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "fedmask_app.cli.sweep", str(grid), "--engine", "local",
+               "--output-dir", str(out), data_dir()]
+    rounds = out / "seed=3" / "rounds.csv"
+    proc = subprocess.Popen(command, cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (rounds.exists() and len(rounds.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert 2 <= len(pd.read_csv(rounds)) < 4, "the sweep was not interrupted mid-way"
+
+    assert subprocess.run(command, cwd=PROJECT, capture_output=True, timeout=600).returncode == 0
+    resumed = pd.read_csv(rounds)
+    assert resumed["round"].tolist() == [1, 2, 3, 4]
+
+    reference = tmp_path / "reference"
+    assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(reference), data_dir()]) == 0
+    uninterrupted = pd.read_csv(reference / "seed=3" / "rounds.csv")
+    pd.testing.assert_frame_equal(resumed.drop(columns="seconds"), uninterrupted.drop(columns="seconds"))
+
+
+def test_flower_engine_runs_a_grid_through_flwr(tmp_path, monkeypatch):
+    runner = FlowerRunner(tmp_path / "flwr-home")
+    monkeypatch.setenv("FLWR_HOME", str(runner.flwr_home))
+    grid = write_grid(tmp_path / "grid.toml", 2, "seed = [0]\n")
+    try:
+        assert sweep.main([str(grid), "--output-dir", str(tmp_path / "out"), data_dir()]) == 0
+    finally:
+        runner.kill_all()
+    rows = pd.read_csv(tmp_path / "out" / "seed=0" / "rounds.csv")
+    assert rows["round"].tolist() == [1, 2]
+    assert (rows["num_clients"] == 2).all()
