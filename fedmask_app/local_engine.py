@@ -8,7 +8,6 @@ flwr nor ray.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -19,8 +18,6 @@ from fedmask_app.run_loop import TrainRound, run_rounds
 from fedmask_app.task import ClientTask
 from strategies.cohort import sample_cohort
 from strategies.round import RoundOutcome, finish_round
-
-log = logging.getLogger("fedmask")
 
 ENGINE = "local"
 

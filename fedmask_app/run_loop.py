@@ -6,7 +6,6 @@ does it with Messages, the local engine with in-process calls. Everything else i
 
 from __future__ import annotations
 
-import logging
 import resource
 import time
 from collections.abc import Callable
@@ -19,8 +18,6 @@ from fedmask_app.model import initial_parameters
 from fedmask_app.results import RunResults, run_metadata
 from fedmask_app.task import Evaluator
 from strategies.round import RoundFailed, RoundOutcome
-
-log = logging.getLogger("fedmask")
 
 TrainRound = Callable[[int, list[np.ndarray]], RoundOutcome]
 
