@@ -31,7 +31,8 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
         echo(f"[fedmask] resuming {cfg.name} after round {checkpoint.server_round}")
     else:
         params, first = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)], 1
-    evaluator = evaluator or Evaluator(cfg)
+    if evaluator is None and cfg.eval_every:  # eval-every = 0: no test set to load
+        evaluator = Evaluator(cfg)
     echo(f"[fedmask] {engine} engine, run {cfg.name} -> {results.run_dir}")
     for server_round in range(first, cfg.num_rounds + 1):
         started = time.perf_counter()
@@ -42,7 +43,8 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
                  f"are in {results.rounds_path}" + (" and the last checkpoint" if cfg.checkpoint_every else ""))
             raise
         params = outcome.result.params
-        test_loss, test_accuracy = evaluator(params) if evaluator.due(server_round) else (float("nan"),) * 2
+        due = evaluator is not None and evaluator.due(server_round)
+        test_loss, test_accuracy = evaluator(params) if due else (float("nan"),) * 2
         seconds = time.perf_counter() - started
         stats = outcome.result.stats
         results.append_row({
