@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from fedmask_app.cli.run import run_with_flower, toml_value
-from fedmask_app.config import load_run_config
+from fedmask_app.cli.run import run_with_flower
+from fedmask_app.config import run_config_from_values
 from fedmask_app.local_engine import run_local
 from fedmask_app.model import initial_parameters
 from fedmask_app.task import ClientTask
@@ -40,7 +40,7 @@ def config(args: argparse.Namespace, out: Path, name: str, threads: int):
     values = {**WORKLOAD, "max-shard-size": args.samples, "local-epochs": args.epochs,
               "num-rounds": args.warmup + args.rounds, "data-dir": str(Path(args.data_dir).resolve()),
               "output-dir": str(out), "run-name": name, "threads": threads}
-    return load_run_config([f"{k}={toml_value(v)}" for k, v in values.items()])
+    return run_config_from_values(values)
 
 
 def bare_loop(cfg) -> list[float]:

@@ -254,11 +254,24 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def load_run_config(args: list[str] | None = None, project_root: Path = PROJECT_ROOT) -> RunConfig:
-    """pyproject defaults merged with overrides, validated: what ``flwr run`` would hand the apps."""
+def run_config_from_values(overrides: Mapping[str, Any], project_root: Path = PROJECT_ROOT) -> RunConfig:
+    """pyproject defaults merged with ``overrides`` (kebab-case keys), validated."""
     values = pyproject_defaults(project_root)
-    overrides = parse_overrides(args or [])
     unknown = sorted(set(overrides) - set(values))
     if unknown:
         raise ConfigError(f"unknown run-config key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(values))}")
     return RunConfig.from_mapping({**values, **overrides})
+
+
+def load_run_config(args: list[str] | None = None, project_root: Path = PROJECT_ROOT) -> RunConfig:
+    """pyproject defaults merged with command-line overrides: what ``flwr run`` would hand the apps."""
+    return run_config_from_values(parse_overrides(args or []), project_root)
+
+
+def toml_value(value: Any) -> str:
+    """A run-config value written as TOML (for run-config files handed to ``flwr run``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)

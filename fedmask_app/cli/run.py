@@ -17,15 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fedmask_app.cli.common import add_run_config_arguments, run_config_from_args
-from fedmask_app.config import PROJECT_ROOT, RunConfig
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
+from fedmask_app.config import PROJECT_ROOT, RunConfig, toml_value
 
 
 def default_gpu_fraction() -> float:

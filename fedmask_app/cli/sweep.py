@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fedmask_app.cli.run import run_with_flower, toml_value
-from fedmask_app.config import ConfigError, RunConfig, load_run_config, parse_overrides
+from fedmask_app.cli.run import run_with_flower
+from fedmask_app.config import ConfigError, RunConfig, parse_overrides, run_config_from_values
 from fedmask_app.grid import GridRun, load_grid
 from fedmask_app.results import is_complete
 
@@ -57,12 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedmask-sweep: {exc}", file=sys.stderr)
         return 2
 
-    pending = [(run, cfg) for run, cfg in configs if not is_complete(cfg.run_dir, cfg.num_rounds)]
+    complete = {run.name: is_complete(cfg.run_dir, cfg.num_rounds) for run, cfg in configs}
+    pending = [(run, cfg) for run, cfg in configs if not complete[run.name]]
     print(f"[sweep] {args.grid}: {len(runs)} runs, {len(runs) - len(pending)} complete, "
           f"{len(pending)} to run ({args.engine} engine) -> {output_dir}")
     if args.dry_run:
-        for run, cfg in configs:
-            state = "complete" if is_complete(cfg.run_dir, cfg.num_rounds) else "to run"
+        for run, _ in configs:
+            state = "complete" if complete[run.name] else "to run"
             print(f"  {run.name}: {state}")
         return 0
 
@@ -100,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def grid_run_config(run: GridRun, common: dict) -> RunConfig:
     """pyproject defaults <- grid base and cell <- command-line overrides, validated."""
-    pairs = {**run.overrides, **common}
-    return load_run_config([f"{k}={toml_value(v)}" for k, v in pairs.items()])
+    return run_config_from_values({**run.overrides, **common})
 
 
 if __name__ == "__main__":
