@@ -31,6 +31,38 @@ class FlowerRunner:
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
             "PYTHONUNBUFFERED": "1",
         }
+        self.stop_foreign_local_superlink()
+
+    def stop_foreign_local_superlink(self) -> None:
+        """`flwr run .` reuses any local SuperLink on its fixed port, whatever FLWR_HOME says (one
+        left by an earlier fedmask-run, say); its processes would escape ``kill_all``. Stop it and
+        its descendants: the next `flwr run` starts a fresh one."""
+        mine = set(self.processes())
+        children: dict[int, list[int]] = {}
+        superlinks = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+            if any(part.endswith(b"flower-superlink") for part in cmdline) and b"--simulation" in cmdline:
+                superlinks.append(int(entry.name))
+        for root in (pid for pid in superlinks if pid not in mine):
+            tree, todo = [], [root]
+            while todo:
+                pid = todo.pop()
+                tree.append(pid)
+                todo.extend(children.get(pid, []))
+            for pid in reversed(tree):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(1.0 if superlinks else 0.0)
 
     def command(self, config_file: Path, num_supernodes: int, num_cpus: int = 1) -> list[str]:
         federation = f"num-supernodes={num_supernodes} client-resources-num-cpus={num_cpus}"
