@@ -2,8 +2,11 @@
 
 Workload: K_c = 10 clients a round, each 1 local epoch over 64 samples at bs 32, ResNet-18/GN,
 real CIFAR-10, no evaluation. Timed three ways, each after warm-up rounds, median of the rest:
-  (a) the bare loop: one process, model and data resident, the project's own client code
-      (ClientTask.train) called for the 10 clients one after another; no aggregation;
+  (a) the bare loop: one process, model and data resident, the same rounds with no engine at
+      all: the project's own client code (ClientTask.train) for the 10 clients one after
+      another, then the project's own server step (aggregate_cohort: θ update and statistics).
+      Its training alone is printed too. It runs before and after (b) and (c), and its median
+      is over both, so a drift of the machine's speed during the run does not favour (b);
   (b) the same rounds through the Flower simulation (fedmask-run: flwr run --stream, Ray);
   (c) the same rounds through the local engine (fedmask-local's run_local).
 (b) and (c) take the per-round wall time that rounds.csv records (train + aggregate + write).
@@ -28,6 +31,7 @@ from fedmask_app.config import run_config_from_values
 from fedmask_app.local_engine import run_local
 from fedmask_app.model import initial_parameters
 from fedmask_app.task import ClientTask
+from strategies.aggregate import aggregate_cohort
 from strategies.cohort import sample_cohort
 
 WORKLOAD = {
@@ -43,16 +47,20 @@ def config(args: argparse.Namespace, out: Path, name: str, threads: int):
     return run_config_from_values(values)
 
 
-def bare_loop(cfg) -> list[float]:
+def bare_loop(cfg) -> tuple[list[float], list[float]]:
+    """Seconds per round: (training + server step, training alone), warm-up rounds included."""
     task = ClientTask(cfg)
     params = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)]
-    times = []
+    rounds, training = [], []
     for server_round in range(1, cfg.num_rounds + 1):
         started = time.perf_counter()
-        for pid in sample_cohort(cfg.seed, server_round, range(cfg.num_clients), cfg.clients_per_round):
-            task.train(pid, server_round, params, None)
-        times.append(time.perf_counter() - started)
-    return times
+        cohort = sample_cohort(cfg.seed, server_round, range(cfg.num_clients), cfg.clients_per_round)
+        replies = [task.train(pid, server_round, params, None) for pid in cohort]
+        trained = time.perf_counter()
+        params = aggregate_cohort(params, replies, cfg.aggregation, cfg.keep_prob).params
+        rounds.append(time.perf_counter() - started)
+        training.append(trained - started)
+    return rounds, training
 
 
 def round_seconds(cfg) -> list[float]:
@@ -63,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default="../shared/data")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per engine (median reported)")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds per engine (median reported)")
     parser.add_argument("--samples", type=int, default=64, help="samples per client (the issue's workload: 64)")
     parser.add_argument("--epochs", type=int, default=1, help="local epochs (the issue's workload: 1)")
     parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per virtual client in the simulation")
@@ -72,7 +80,14 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="fedmask-bench-"))
 
-    bare = bare_loop(config(args, out, "bare", args.threads))[args.warmup:]
+    bare, bare_training = [], []
+
+    def run_bare() -> None:
+        rounds, training = bare_loop(config(args, out, "bare", args.threads))
+        bare.extend(rounds[args.warmup:])
+        bare_training.extend(training[args.warmup:])
+
+    run_bare()
 
     local_cfg = config(args, out, "local", args.threads)
     run_local(local_cfg, echo=lambda _: None)
@@ -86,16 +101,20 @@ def main() -> None:
 
     run_with_flower(flower_cfg, num_cpus=args.num_cpus, num_gpus=0.0, on_line=on_line)
     flower = round_seconds(flower_cfg)[args.warmup:]
+    run_bare()
 
     images = WORKLOAD["clients-per-round"] * args.samples * args.epochs
-    a, b, c = (statistics.median(t) for t in (bare, flower, local))
+    a, a_train, b, c = (statistics.median(t) for t in (bare, bare_training, flower, local))
     print(f"workload: {WORKLOAD['clients-per-round']} clients x {args.samples} samples, "
           f"bs {WORKLOAD['batch-size']}, {args.epochs} epoch(s), ResNet-18/GN; "
-          f"median of {args.rounds} rounds after {args.warmup} warm-up")
+          f"median of {args.rounds} rounds after {args.warmup} warm-up ((a): 2 x {args.rounds})")
+    print(f"    bare loop training alone  {a_train:7.3f} s/round  {images / a_train:7.1f} images/s  "
+          f"(server step {a - a_train:.3f} s)")
     print(f"(a) bare loop         {a:7.3f} s/round  {images / a:7.1f} images/s")
     print(f"(c) local engine      {c:7.3f} s/round  {images / c:7.1f} images/s  ratio c/a = {c / a:.3f}")
     print(f"(b) flower simulation {b:7.3f} s/round  {images / b:7.1f} images/s")
     print(f"server peak RSS (flower ServerApp process): {peak[-1] if peak else '?'} MiB")
+    print(f"b / bare loop training alone = {b / a_train:.3f}")
     print(f"ratio b/a = {b / a:.3f}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,7 +40,9 @@ def load_parameters(model: nn.Module, params: Sequence) -> None:
     model_params = list(model.parameters())
     if len(params) != len(model_params):
         raise ValueError(f"got {len(params)} parameter tensors, the model has {len(model_params)}")
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # Read-only arrays (views over a message's bytes) are only read here.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for p, value in zip(model_params, params, strict=True):
             p.copy_(torch.as_tensor(value), non_blocking=True)
 

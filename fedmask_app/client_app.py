@@ -12,6 +12,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedmask_app.config import RunConfig
+from fedmask_app.ray_transport import use_shared_buffers
+from fedmask_app.records import record_views
 from fedmask_app.shards import check_shard_matches, load_shard_file
 from fedmask_app.task import ClientTask, cached_client_task
 from strategies.masked_fedavg import message_from_reply
@@ -54,9 +56,10 @@ def query(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    use_shared_buffers(broadcast=False)
     _, partition_id, task = _client(context)
     config = msg.content["config"]
     sync_seed = int(config["mask-seed"]) if "mask-seed" in config else None
-    params = msg.content["arrays"].to_numpy_ndarrays()
+    params = record_views(msg.content["arrays"])
     reply = task.train(partition_id, int(config["server-round"]), params, sync_seed)
     return Message(content=message_from_reply(reply), reply_to=msg)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import InMemoryGrid
 
 from fedmask_app.config import RunConfig
+from fedmask_app.ray_transport import use_shared_buffers
+from fedmask_app.records import record_from_arrays
 from fedmask_app.run_loop import run_rounds
 from strategies.masked_fedavg import MaskedFedAvg
 from strategies.round import RoundOutcome
@@ -14,6 +20,30 @@ from strategies.round import RoundOutcome
 ENGINE = "flower"
 
 app = ServerApp()
+
+SIMULATION_POLL_SECONDS = 0.01
+
+
+def send_and_receive(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
+    """``grid.send_and_receive``, but an in-process simulation grid is polled every 10 ms.
+
+    InMemoryGrid sleeps 100 ms between polls, so the round's last reply waited 50 ms on average
+    for the server to notice it. Deployments keep Flower's own polling.
+    """
+    if not isinstance(grid, InMemoryGrid):
+        return list(grid.send_and_receive(messages, timeout=timeout))
+    pending = set(grid.push_messages(messages))
+    deadline = time.monotonic() + timeout
+    replies: list[Message] = []
+    while pending:
+        arrived = list(grid.pull_messages(pending))
+        replies.extend(arrived)
+        pending.difference_update(m.metadata.reply_to_message_id for m in arrived)
+        if pending:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(SIMULATION_POLL_SECONDS)
+    return replies
 
 
 @app.main()
@@ -24,10 +54,11 @@ def main(grid: Grid, context: Context) -> None:
 
     def train_round(server_round: int, params: list[np.ndarray]) -> RoundOutcome:
         nonlocal arrays
+        use_shared_buffers(broadcast=True)
         if arrays is None:  # first round of this process (fresh or resumed)
-            arrays = ArrayRecord.from_numpy_ndarrays(params)
+            arrays = record_from_arrays(params)
         messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
-        replies = grid.send_and_receive(messages, timeout=cfg.round_timeout)
+        replies = send_and_receive(grid, messages, timeout=cfg.round_timeout)
         arrays, _ = strategy.aggregate_train(server_round, replies)
         return strategy.last_outcome
 

@@ -1,14 +1,15 @@
-"""FedAvg's server step over (masked) client updates: θ ← θ − Σ_k w_k Δ̃_k, streaming."""
+"""FedAvg's server step over (masked) client updates: θ ← θ − Σ_k w_k Δ̃_k."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from clients.masking import mask_scales
-from strategies.stats import CohortStatistics
+from strategies.cohort_pass import ServerStep, reduce_cohort
+from strategies.stats import cohort_result
 
 
 def client_weights(num_examples: Sequence[int], aggregation: str) -> list[float]:
@@ -19,36 +20,6 @@ def client_weights(num_examples: Sequence[int], aggregation: str) -> list[float]
     if aggregation == "uniform":
         return [1.0 / len(num_examples)] * len(num_examples)
     raise ValueError(f"unknown aggregation {aggregation!r}: expected 'weighted' or 'uniform'")
-
-
-@dataclass
-class MaskedMeanUpdate:
-    """Σ_k w_k (m_k^(b)/p) Δ_k^(b), accumulated in float64 one client at a time."""
-
-    steps: list[np.ndarray] = field(default_factory=list)
-
-    def add(self, update: Sequence, weight: float, block_scales: Sequence[float]) -> None:
-        """Fold in w_k · Δ̃_k; ``block_scales`` are the m^(b)/p of the client's mask."""
-        if len(block_scales) != len(update):
-            raise ValueError(f"mask has {len(block_scales)} blocks, update has {len(update)}")
-        first = not self.steps
-        for b, (block, scale) in enumerate(zip(update, block_scales, strict=True)):
-            coef = weight * scale
-            if first:
-                self.steps.append(np.asarray(block, dtype=np.float64) * coef)
-            elif coef != 0.0:
-                self.steps[b] += coef * np.asarray(block, dtype=np.float64)
-
-
-def apply_step(global_params: Sequence[np.ndarray], steps: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """θ − Σ_k w_k Δ̃_k, block by block, in the dtype and shape of θ."""
-    if len(global_params) != len(steps):
-        raise ValueError(f"model has {len(global_params)} blocks, updates have {len(steps)}")
-    out = []
-    for theta, step in zip(global_params, steps, strict=True):
-        theta = np.asarray(theta)
-        out.append((theta.astype(np.float64) - step.reshape(theta.shape)).astype(theta.dtype))
-    return out
 
 
 @dataclass
@@ -104,21 +75,19 @@ def aggregate_cohort(
         raise ValueError("no client replies to aggregate")
     ordered = sorted(replies, key=lambda r: r.partition_id)
     counts = [r.num_examples for r in ordered]
-    weights = client_weights(counts, aggregation)
-    stats = CohortStatistics()
-    masked = MaskedMeanUpdate() if any(r.keep is not None for r in ordered) else None
-    for reply, weight in zip(ordered, weights, strict=True):
-        update = [np.asarray(block, dtype=np.float64) for block in reply.update]  # converted once, used twice
-        stats.add(update, float(reply.num_examples))
-        if masked is not None:
-            keep = [True] * len(update) if reply.keep is None else reply.keep
-            masked.add(update, weight, mask_scales(keep, keep_prob))
-    # Unmasked, the mean update is one of the sums the statistics already hold.
-    steps = masked.steps if masked is not None else stats.mean_update(weighted=aggregation == "weighted")
+    num_blocks = len(global_params)
+    block_coefs = None
+    if any(r.keep is not None for r in ordered):  # Δ̃_k^(b) = (m_k^(b) / p) Δ_k^(b)
+        block_coefs = [
+            [w * s for s in mask_scales([True] * num_blocks if r.keep is None else r.keep, keep_prob)]
+            for r, w in zip(ordered, client_weights(counts, aggregation), strict=True)
+        ]
+    step = ServerStep(global_params, weighted=aggregation == "weighted", block_coefs=block_coefs)
+    sums, params = reduce_cohort([r.update for r in ordered], [float(n) for n in counts], step)
     total = sum(counts)
     return CohortResult(
-        params=apply_step(global_params, steps),
-        stats=stats.result(),
+        params=params,
+        stats=cohort_result(sums),
         train_loss=sum(r.train_loss * r.num_examples for r in ordered) / total,
         num_examples=total,
         partition_ids=[r.partition_id for r in ordered],

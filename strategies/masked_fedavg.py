@@ -23,6 +23,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from clients.seeds import synchronized_mask_seed
 from fedmask_app.config import RunConfig
+from fedmask_app.records import record_from_arrays, record_views
 from strategies.aggregate import ClientReply
 from strategies.cohort import sample_cohort
 from strategies.round import RoundOutcome, finish_round
@@ -41,14 +42,14 @@ def reply_from_message(content: RecordDict) -> ClientReply:
         partition_id=int(metrics["partition-id"]),
         num_examples=int(metrics["num-examples"]),
         train_loss=float(metrics["train-loss"]),
-        update=content["update"].to_numpy_ndarrays(),
+        update=record_views(content["update"]),
         keep=None if mask is None else [bool(m) for m in mask],
     )
 
 
 def message_from_reply(reply: ClientReply) -> RecordDict:
     content = RecordDict({
-        "update": ArrayRecord.from_numpy_ndarrays(reply.update),
+        "update": record_from_arrays(reply.update),
         "metrics": MetricRecord({
             "num-examples": reply.num_examples,
             "train-loss": reply.train_loss,
@@ -145,7 +146,7 @@ class MaskedFedAvg(FedAvg):
         for node, pid in self._round_cohort.items():
             if node not in answered:
                 failures.append(f"partition {pid}: no reply within round-timeout ({self.cfg.round_timeout:g}s)")
-        global_params = self._round_arrays.to_numpy_ndarrays()
+        global_params = record_views(self._round_arrays)
         outcome = finish_round(
             server_round, global_params, good, failures,
             aggregation=self.cfg.aggregation, keep_prob=self.cfg.keep_prob, min_clients=self.cfg.min_clients,
@@ -157,4 +158,4 @@ class MaskedFedAvg(FedAvg):
             "num-examples": outcome.result.num_examples,
             "num-failures": outcome.num_failures,
         })
-        return ArrayRecord.from_numpy_ndarrays(outcome.result.params), metrics
+        return record_from_arrays(outcome.result.params), metrics

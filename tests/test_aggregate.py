@@ -8,14 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from strategies.aggregate import (
-    ClientReply,
-    MaskedMeanUpdate,
-    aggregate_cohort,
-    apply_step,
-    client_weights,
-    reply_problem,
-)
+from strategies.aggregate import ClientReply, aggregate_cohort, client_weights, reply_problem
 from strategies.cohort import sample_cohort
 from strategies.round import RoundFailed, finish_round
 from strategies.stats import STAT_NAMES, cohort_statistics
@@ -174,23 +167,15 @@ def test_no_replies_raises():
         aggregate_cohort(THETA, [], "weighted", 0.5)
 
 
-def test_masked_mean_update_checks_block_counts():
-    acc = MaskedMeanUpdate()
-    with pytest.raises(ValueError, match="blocks"):
-        acc.add([np.ones(2), np.ones(1)], 1.0, block_scales=[1.0])
-    acc.add([np.ones(2)], 0.5, block_scales=[1.0])
-    with pytest.raises(ValueError, match="blocks"):
-        apply_step([np.ones(2), np.ones(1)], acc.steps)
-    np.testing.assert_array_equal(apply_step([np.zeros(2)], acc.steps), [[-0.5, -0.5]])
-
-
-def test_masked_mean_update_first_client_masked_out():
-    acc = MaskedMeanUpdate()
-    acc.add([np.array([5.0]), np.array([1.0])], 0.5, block_scales=[0.0, 2.0])
-    acc.add([np.array([3.0]), np.array([1.0])], 0.5, block_scales=[2.0, 0.0])
-    out = apply_step([np.array([10.0]), np.array([10.0])], acc.steps)
-    np.testing.assert_array_equal(out[0], [10.0 - 3.0])
-    np.testing.assert_array_equal(out[1], [10.0 - 1.0])
+def test_first_client_masked_out_of_a_block():
+    """The first client in partition order keeps block 1 only, the second block 0 only."""
+    replies = [
+        ClientReply(0, 1, 0.0, [np.array([5.0]), np.array([1.0])], [False, True]),
+        ClientReply(1, 1, 0.0, [np.array([3.0]), np.array([1.0])], [True, False]),
+    ]
+    out = aggregate_cohort([np.array([10.0]), np.array([10.0])], replies, "uniform", keep_prob=0.5)
+    np.testing.assert_array_equal(out.params[0], [10.0 - 3.0])
+    np.testing.assert_array_equal(out.params[1], [10.0 - 1.0])
 
 
 @pytest.mark.parametrize("keep", [None, [True]])
@@ -203,11 +188,12 @@ def test_mean_update_accumulates_in_float64(keep):
     np.testing.assert_allclose(out.params[0], [-1.0 / 3.0], rtol=1e-7)
 
 
-def test_apply_step_keeps_shape_and_dtype():
+def test_new_params_keep_shape_and_dtype():
     theta = [np.ones((2, 3), dtype=np.float32)]
-    out = apply_step(theta, [np.full(6, 0.5)])
-    assert out[0].shape == (2, 3) and out[0].dtype == np.float32
-    np.testing.assert_array_equal(out[0], np.full((2, 3), 0.5, dtype=np.float32))
+    replies = [ClientReply(0, 1, 0.0, [np.full((2, 3), 0.5, dtype=np.float32)], None)]
+    out = aggregate_cohort(theta, replies, "uniform", 1.0)
+    assert out.params[0].shape == (2, 3) and out.params[0].dtype == np.float32
+    np.testing.assert_array_equal(out.params[0], np.full((2, 3), 0.5, dtype=np.float32))
 
 
 # ---------------------------------------------------------------------------------------------

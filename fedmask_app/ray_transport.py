@@ -1,0 +1,75 @@
+"""Flower ArrayRecords between Ray processes as shared buffers, not bytes inside a pickle.
+
+Flower's Ray backend hands each Message to a ClientApp actor (and the reply back) through Ray,
+which pickles it: every ``Array``'s bytes would be copied into the pickle stream, the stream
+into Ray's object store, and out again on the other side, for every message. With
+``ray.util.register_serializer`` the bytes travel as NumPy buffers instead: Ray writes them to
+its shared-memory object store once and the reader's Arrays read them in place. On the server,
+the global model that a round sends to every client is put in the store once per round
+(``broadcast=True``), not once per message. Real deployments (gRPC) are untouched: nothing here
+runs outside a Ray process.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+_registered = False
+_last_broadcast: tuple[weakref.ref, object] | None = None  # (record, ObjectRef of its buffers)
+
+
+def _buffers(record: ArrayRecord) -> list[tuple]:
+    return [(key, a.dtype, a.shape, a.stype, np.frombuffer(a.data, dtype=np.uint8)) for key, a in record.items()]
+
+
+def _record_from_buffers(buffers: list[tuple]) -> ArrayRecord:
+    """Arrays over Ray's read-only buffers, not copies: ``data`` is a memoryview, which whatever
+    reads an Array's bytes (``Array.numpy``, ``records.array_view``) accepts."""
+    record = ArrayRecord()
+    for key, dtype, shape, stype, buffer in buffers:
+        array = Array.__new__(Array)  # Array() insists on bytes, which would cost a copy
+        array.__dict__.update(dtype=dtype, shape=tuple(shape), stype=stype, data=memoryview(buffer))
+        record[key] = array
+    return record
+
+
+def _record_from_payload(payload: tuple) -> ArrayRecord:
+    kind, content = payload
+    if kind == "shared":
+        import ray
+
+        content = ray.get(content)
+    return _record_from_buffers(content)
+
+
+def _inline_payload(record: ArrayRecord) -> tuple:
+    return "inline", _buffers(record)
+
+
+def _broadcast_payload(record: ArrayRecord) -> tuple:
+    """The record's buffers put in the object store once, however many messages carry it.
+    A record must not change after it was sent (ours never do: each round builds a new one)."""
+    global _last_broadcast
+    if _last_broadcast is None or _last_broadcast[0]() is not record:
+        import ray
+
+        _last_broadcast = (weakref.ref(record), ray.put(_buffers(record)))
+    return "shared", _last_broadcast[1]
+
+
+def use_shared_buffers(broadcast: bool) -> bool:
+    """Register the serializer in this process when it is a connected Ray driver or worker;
+    return whether it is registered. Cheap to call every round."""
+    global _registered
+    if not _registered and "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            serializer = _broadcast_payload if broadcast else _inline_payload
+            ray.util.register_serializer(ArrayRecord, serializer=serializer, deserializer=_record_from_payload)
+            _registered = True
+    return _registered

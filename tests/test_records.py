@@ -1,0 +1,114 @@
+"""fedmask_app.records and fedmask_app.ray_transport: the same arrays as Flower's own conversions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+
+from fedmask_app import ray_transport
+from fedmask_app.records import array_view, record_from_arrays, record_views
+
+ARRAYS = [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.array(3.5, dtype=np.float32),
+    np.arange(10, dtype=np.int64),
+    np.asfortranarray(np.arange(15, dtype=np.float64).reshape(3, 5)),
+    np.zeros((0, 3), dtype=np.float32),
+    np.arange(24, dtype=np.float64).reshape(4, 6)[:, ::2],
+]
+
+
+def _assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+
+
+def test_record_from_arrays_reads_back_with_flowers_own_conversion():
+    _assert_same(record_from_arrays(ARRAYS).to_numpy_ndarrays(), ARRAYS)
+
+
+def test_record_views_read_flowers_records():
+    _assert_same(record_views(ArrayRecord.from_numpy_ndarrays(ARRAYS)), ARRAYS)
+
+
+def test_bytes_equal_flowers_for_c_ordered_arrays():
+    c_ordered = [a for a in ARRAYS if a.flags.c_contiguous]
+    ours, flowers = record_from_arrays(c_ordered), ArrayRecord.from_numpy_ndarrays(c_ordered)
+    assert list(ours) == list(flowers)
+    assert all(ours[k].data == flowers[k].data for k in ours)
+
+
+def test_views_share_the_bytes_and_are_read_only():
+    record = record_from_arrays([np.ones(1000, np.float32)])
+    (view,) = record_views(record)
+    assert not view.flags.writeable
+    assert np.shares_memory(view, np.frombuffer(record["0"].data, dtype=np.uint8))
+
+
+def test_object_arrays_are_refused():
+    header = b"\x93NUMPY\x01\x00" + (76).to_bytes(2, "little")
+    text = b"{'descr': '|O', 'fortran_order': False, 'shape': (1,), }"
+    data = header + text.ljust(75) + b"\n" + b"\0" * 8
+    with pytest.raises(TypeError, match="objects"):
+        array_view(Array(dtype="object", shape=(1,), stype="numpy.ndarray", data=data))
+
+
+def test_other_serialisations_are_refused():
+    with pytest.raises(TypeError, match="stype"):
+        array_view(Array(dtype="float32", shape=(1,), stype="torch.Tensor", data=b"1234"))
+
+
+def test_ray_payload_round_trip_without_copies():
+    record = record_from_arrays(ARRAYS)
+    kind, buffers = ray_transport._inline_payload(record)
+    assert kind == "inline"
+    assert all(np.shares_memory(buf, np.frombuffer(record[key].data, np.uint8)) for key, *_, buf in buffers)
+    rebuilt = ray_transport._record_from_payload((kind, buffers))
+    assert isinstance(rebuilt, ArrayRecord) and list(rebuilt) == list(record)
+    _assert_same(record_views(rebuilt), ARRAYS)
+    _assert_same(rebuilt.to_numpy_ndarrays(), ARRAYS)  # Flower's Array.numpy reads the memoryview
+
+
+def test_nothing_is_registered_outside_ray(monkeypatch):
+    monkeypatch.setattr(ray_transport, "_registered", False)
+    import sys
+
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            pytest.skip("a Ray session is running in this process")
+    assert ray_transport.use_shared_buffers(broadcast=True) is False
+
+
+@pytest.mark.slow
+def test_records_cross_a_real_ray_task(monkeypatch):
+    """Through Ray: a broadcast record is put in the object store once however often it is
+    sent, and a task's reply record comes back intact."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("a Ray session is running in this process")
+    monkeypatch.setattr(ray_transport, "_registered", False)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        assert ray_transport.use_shared_buffers(broadcast=True)
+
+        @ray.remote
+        def negate(record: ArrayRecord) -> ArrayRecord:
+            ray_transport.use_shared_buffers(broadcast=False)
+            return record_from_arrays([-a for a in record_views(record)])
+
+        record = record_from_arrays(ARRAYS[:3])
+        first, second = ray.get([negate.remote(record), negate.remote(record)])
+        shared_ref = ray_transport._last_broadcast[1]
+        negate.remote(record)
+        assert ray_transport._last_broadcast[1] is shared_ref  # one put for the same record
+        _assert_same(record_views(first), [-a for a in ARRAYS[:3]])
+        _assert_same(second.to_numpy_ndarrays(), [-a for a in ARRAYS[:3]])
+    finally:
+        ray.util.deregister_serializer(ArrayRecord)
+        ray.shutdown()
+        monkeypatch.setattr(ray_transport, "_last_broadcast", None)
