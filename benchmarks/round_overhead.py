@@ -18,8 +18,10 @@ The last line is the ratio b/a.
 from __future__ import annotations
 
 import argparse
+import collections
 import re
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from fedmask_app.cli.run import run_with_flower
 from fedmask_app.config import run_config_from_values
 from fedmask_app.local_engine import run_local
 from fedmask_app.model import initial_parameters
+from fedmask_app.results import is_complete
 from fedmask_app.task import ClientTask
 from strategies.aggregate import aggregate_cohort
 from strategies.cohort import sample_cohort
@@ -95,11 +98,15 @@ def main() -> None:
 
     flower_cfg = config(args, out, "flower", 0)
     peak: list[str] = []
+    log = collections.deque(maxlen=40)
 
     def on_line(line: str) -> None:
+        log.append(line)
         peak.extend(re.findall(r"peak RSS of this flower server process: (\d+)", line))
 
     run_with_flower(flower_cfg, num_cpus=args.num_cpus, num_gpus=0.0, on_line=on_line)
+    if not is_complete(flower_cfg.run_dir, flower_cfg.num_rounds):
+        sys.exit("the Flower run did not complete; the end of its output:\n" + "\n".join(log))
     flower = round_seconds(flower_cfg)[args.warmup:]
     run_bare()
 
