@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,7 +39,8 @@ class ClientReply:
 
 
 def reply_problem(reply: ClientReply, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype]) -> str | None:
-    """Why a reply cannot enter the aggregate (wrong layout, non-finite values), or None."""
+    """Why a reply cannot enter the aggregate (wrong layout), or None. NaN/Inf values are found
+    by the aggregation pass itself (``NonFiniteUpdates``), which reads every value anyway."""
     if len(reply.update) != len(shapes):
         return f"{len(reply.update)} arrays, expected {len(shapes)}"
     if reply.keep is not None and len(reply.keep) != len(shapes):
@@ -50,9 +52,15 @@ def reply_problem(reply: ClientReply, shapes: Sequence[tuple[int, ...]], dtypes:
             return f"array {b} has shape {block.shape}, expected {tuple(shape)}"
         if block.dtype != dtype:
             return f"array {b} has dtype {block.dtype}, expected {dtype}"
-        if not np.isfinite(block).all():
-            return f"array {b} holds NaN or Inf"
     return None
+
+
+class NonFiniteUpdates(ValueError):
+    """Some updates hold NaN or Inf; nothing was aggregated."""
+
+    def __init__(self, partition_ids: list[int]):
+        super().__init__(f"updates of partitions {partition_ids} hold NaN or Inf")
+        self.partition_ids = partition_ids
 
 
 @dataclass
@@ -84,6 +92,10 @@ def aggregate_cohort(
         ]
     step = ServerStep(global_params, weighted=aggregation == "weighted", block_coefs=block_coefs)
     sums, params = reduce_cohort([r.update for r in ordered], [float(n) for n in counts], step)
+    # ‖Δ_k‖² in float64 is finite exactly when every value of Δ_k is (float32 squares cannot overflow).
+    non_finite = [r.partition_id for r, sq in zip(ordered, sums.sq_norms, strict=True) if not math.isfinite(sq)]
+    if non_finite:
+        raise NonFiniteUpdates(non_finite)
     total = sum(counts)
     return CohortResult(
         params=params,

@@ -29,6 +29,7 @@ class CohortSums:
     weighted_sum_sq_norms: float  # Σ n_k² ‖Δ_k‖²
     sq_norm_of_sum: float  # ‖Σ Δ_k‖²
     sq_norm_of_weighted_sum: float  # ‖Σ n_k Δ_k‖²
+    sq_norms: tuple[float, ...] = ()  # ‖Δ_k‖² of each client, in the order given (inf/nan: NaN or Inf in Δ_k)
 
 
 @dataclass(frozen=True)
@@ -162,5 +163,6 @@ def reduce_cohort(
         weighted_sum_sq_norms=sum(w * w * s for w, s in zip(weights, sq_norms, strict=True)),
         sq_norm_of_sum=sum(p.sq_norm_of_sum for p in partials),
         sq_norm_of_weighted_sum=sum(p.sq_norm_of_weighted_sum for p in partials),
+        sq_norms=tuple(sq_norms),
     )
     return sums, (new_params if step is not None else None)

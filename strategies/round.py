@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strategies.aggregate import ClientReply, CohortResult, aggregate_cohort, reply_problem
+from strategies.aggregate import ClientReply, CohortResult, NonFiniteUpdates, aggregate_cohort, reply_problem
 
 log = logging.getLogger("fedmask")
 
@@ -52,11 +52,23 @@ def finish_round(
             good.append(reply)
         else:
             failures.append(f"partition {reply.partition_id}: {problem}")
+    result = None
+    while result is None:
+        if len(good) < min_clients:
+            _log(server_round, failures)
+            raise RoundFailed(
+                f"round {server_round}: {len(good)} good replies, min-clients is {min_clients}; "
+                f"left out: {'; '.join(failures) or 'none'}"
+            )
+        try:
+            result = aggregate_cohort(global_params, good, aggregation, keep_prob)
+        except NonFiniteUpdates as exc:
+            failures.extend(f"partition {pid}: update holds NaN or Inf" for pid in exc.partition_ids)
+            good = [r for r in good if r.partition_id not in exc.partition_ids]
+    _log(server_round, failures)
+    return RoundOutcome(result, failures)
+
+
+def _log(server_round: int, failures: Sequence[str]) -> None:
     for reason in failures:
         log.warning("round %d: left out %s", server_round, reason)
-    if len(good) < min_clients:
-        raise RoundFailed(
-            f"round {server_round}: {len(good)} good replies, min-clients is {min_clients}; "
-            f"left out: {'; '.join(failures) or 'none'}"
-        )
-    return RoundOutcome(aggregate_cohort(global_params, good, aggregation, keep_prob), failures)

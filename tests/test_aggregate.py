@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from strategies.aggregate import ClientReply, aggregate_cohort, client_weights, reply_problem
+from strategies.aggregate import ClientReply, NonFiniteUpdates, aggregate_cohort, client_weights, reply_problem
 from strategies.cohort import sample_cohort
 from strategies.round import RoundFailed, finish_round
 from strategies.stats import STAT_NAMES, cohort_statistics
@@ -237,8 +237,6 @@ def _broken(kind: str) -> ClientReply:
 @pytest.mark.parametrize(
     ("kind", "says"),
     [
-        ("nan", "NaN"),
-        ("inf", "Inf"),
         ("shape", "shape"),
         ("dtype", "dtype"),
         ("blocks", "arrays"),
@@ -250,6 +248,20 @@ def _broken(kind: str) -> ClientReply:
 def test_reply_problem_catches(kind, says):
     problem = reply_problem(_broken(kind), SHAPES, DTYPES)
     assert problem is not None and says in problem
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+def test_non_finite_updates_are_named_and_nothing_is_aggregated(kind):
+    assert reply_problem(_broken(kind), SHAPES, DTYPES) is None  # the layout is fine
+    with pytest.raises(NonFiniteUpdates) as info:
+        aggregate_cohort(GLOBAL, [_good(0), _broken(kind), _good(5)], "weighted", 0.5)
+    assert info.value.partition_ids == [3]
+
+
+def test_huge_finite_updates_are_not_taken_for_inf():
+    huge = _good(0, value=float(np.finfo(np.float32).max))
+    result = aggregate_cohort(GLOBAL, [huge, _good(1)], "uniform", 1.0)
+    assert all(np.isfinite(v) for v in result.stats.values() if v == v)
 
 
 def test_finish_round_leaves_bad_replies_out():
