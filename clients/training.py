@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,11 +55,13 @@ def local_update(
     labels: torch.Tensor,
     training: LocalTraining,
     generator: torch.Generator,
+    out: Sequence[np.ndarray] | None = None,
 ) -> LocalResult:
     """Train ``model`` from θ = ``global_params`` on the shard (``images``, ``labels``) and return Δ_k.
 
     The minibatch order comes from ``generator`` alone (a CPU generator), so a client's result
-    depends only on θ, its shard and the seed it was given.
+    depends only on θ, its shard and the seed it was given. With ``out`` (CPU arrays shaped like
+    the parameters), Δ_k is written into them and the returned tensors share their memory.
     """
     load_parameters(model, global_params)
     theta = [p.detach().clone() for p in model.parameters()]
@@ -84,5 +87,13 @@ def local_update(
             loss_sum += loss.detach().float() * len(idx)
             seen += len(idx)
     with torch.no_grad():
-        update = [t0 - p for t0, p in zip(theta, model.parameters(), strict=True)]
+        if out is None:
+            update = [t0 - p for t0, p in zip(theta, model.parameters(), strict=True)]
+        else:
+            update = [torch.from_numpy(o) for o in out]
+            for target, t0, p in zip(update, theta, model.parameters(), strict=True):
+                if p.device.type == "cpu":
+                    torch.sub(t0, p, out=target)
+                else:
+                    target.copy_(t0 - p)
     return LocalResult(update=update, num_examples=n, train_loss=float(loss_sum) / seen)

@@ -13,7 +13,7 @@ from flwr.clientapp import ClientApp
 
 from fedmask_app.config import RunConfig
 from fedmask_app.ray_transport import use_shared_buffers
-from fedmask_app.records import record_views
+from fedmask_app.records import NpyBlocks, record_views
 from fedmask_app.shards import check_shard_matches, load_shard_file
 from fedmask_app.task import ClientTask, cached_client_task
 from strategies.masked_fedavg import message_from_reply
@@ -48,6 +48,11 @@ def _client(context: Context) -> tuple[RunConfig, int, ClientTask]:
     return cfg, int(node["partition-id"]), cached_client_task(cfg)
 
 
+@functools.lru_cache(maxsize=2)
+def _reply_blocks(task: ClientTask) -> NpyBlocks:
+    return NpyBlocks([p.detach().cpu().numpy() for p in task.model.parameters()])
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     _, partition_id, _ = _client(context)
@@ -56,10 +61,14 @@ def query(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    use_shared_buffers(broadcast=False)
+    through_ray = use_shared_buffers(broadcast=False)
     _, partition_id, task = _client(context)
     config = msg.content["config"]
     sync_seed = int(config["mask-seed"]) if "mask-seed" in config else None
     params = record_views(msg.content["arrays"])
-    reply = task.train(partition_id, int(config["server-round"]), params, sync_seed)
-    return Message(content=message_from_reply(reply), reply_to=msg)
+    # Through Ray the reply is copied into the object store as the call returns, so Δ_k can be
+    # written straight into this process's reply buffers and sent from there without a copy.
+    blocks = _reply_blocks(task) if through_ray else None
+    reply = task.train(partition_id, int(config["server-round"]), params, sync_seed, blocks and blocks.arrays)
+    update = blocks.record_of(reply.update) if blocks else None  # None when a fault replaced arrays
+    return Message(content=message_from_reply(reply, update), reply_to=msg)

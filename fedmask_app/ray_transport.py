@@ -16,7 +16,9 @@ import sys
 import weakref
 
 import numpy as np
-from flwr.app import Array, ArrayRecord
+from flwr.app import ArrayRecord
+
+from fedmask_app.records import array_over_buffer
 
 _registered = False
 _last_broadcast: tuple[weakref.ref, object] | None = None  # (record, ObjectRef of its buffers)
@@ -27,13 +29,10 @@ def _buffers(record: ArrayRecord) -> list[tuple]:
 
 
 def _record_from_buffers(buffers: list[tuple]) -> ArrayRecord:
-    """Arrays over Ray's read-only buffers, not copies: ``data`` is a memoryview, which whatever
-    reads an Array's bytes (``Array.numpy``, ``records.array_view``) accepts."""
+    """Arrays over Ray's read-only buffers, not copies of them."""
     record = ArrayRecord()
     for key, dtype, shape, stype, buffer in buffers:
-        array = Array.__new__(Array)  # Array() insists on bytes, which would cost a copy
-        array.__dict__.update(dtype=dtype, shape=tuple(shape), stype=stype, data=memoryview(buffer))
-        record[key] = array
+        record[key] = array_over_buffer(dtype, shape, stype, buffer)
     return record
 
 

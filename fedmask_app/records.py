@@ -18,15 +18,58 @@ from flwr.app import Array, ArrayRecord
 from numpy.lib import format as npy
 
 
+def _npy_header(value: np.ndarray) -> bytes:
+    header = io.BytesIO()
+    npy.write_array_header_1_0(header, npy.header_data_from_array_1_0(value))
+    return header.getvalue()
+
+
 def array_from_numpy(value: np.ndarray) -> Array:
     """An Array holding ``value`` as .npy bytes, copied once into their final place."""
     value = np.asarray(value)
     if not value.flags.c_contiguous:
         value = value.copy(order="C")
-    header = io.BytesIO()
-    npy.write_array_header_1_0(header, npy.header_data_from_array_1_0(value))
-    data = b"".join((header.getvalue(), value.reshape(-1).view(np.uint8)))
+    data = b"".join((_npy_header(value), value.reshape(-1).view(np.uint8)))
     return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype="numpy.ndarray", data=data)
+
+
+def array_over_buffer(dtype: str, shape: tuple[int, ...], stype: str, buffer) -> Array:
+    """An Array whose ``data`` is a memoryview on ``buffer`` (.npy layout), not a bytes copy.
+
+    Everything that reads an Array's bytes (``Array.numpy``, ``array_view``, hashing) accepts a
+    memoryview; gRPC does not, so such Arrays only travel through Ray (fedmask_app/ray_transport.py).
+    """
+    array = Array.__new__(Array)  # Array() insists on bytes, which would cost a copy
+    array.__dict__.update(dtype=dtype, shape=tuple(shape), stype=stype, data=memoryview(buffer))
+    return array
+
+
+class NpyBlocks:
+    """One reusable .npy-laid-out buffer per model block, for writing a reply in place.
+
+    ``arrays`` are writable views of the buffers' data parts; ``record_of(update)`` is an
+    ArrayRecord over the buffers when ``update`` is exactly those views (no copy), else None.
+    Such a record is valid until the buffers are next written: a Ray actor's reply is copied
+    into the object store when its call returns, before the next call.
+    """
+
+    def __init__(self, like: Sequence[np.ndarray]):
+        self._buffers: list[np.ndarray] = []
+        self.arrays: list[np.ndarray] = []
+        for value in like:
+            header = _npy_header(np.empty(np.shape(value), dtype=np.asarray(value).dtype))
+            buffer = np.empty(len(header) + np.asarray(value).nbytes, dtype=np.uint8)
+            buffer[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+            self._buffers.append(buffer)
+            self.arrays.append(buffer[len(header) :].view(np.asarray(value).dtype).reshape(np.shape(value)))
+
+    def record_of(self, update: Sequence[np.ndarray]) -> ArrayRecord | None:
+        if len(update) != len(self.arrays) or any(u is not a for u, a in zip(update, self.arrays, strict=True)):
+            return None
+        record = ArrayRecord()  # item by item: ArrayRecord(dict) rebuilds Arrays from their bytes
+        for i, (a, buffer) in enumerate(zip(self.arrays, self._buffers, strict=True)):
+            record[str(i)] = array_over_buffer(str(a.dtype), a.shape, "numpy.ndarray", buffer)
+        return record
 
 
 def record_from_arrays(arrays: Sequence[np.ndarray]) -> ArrayRecord:

@@ -105,16 +105,19 @@ class ClientTask:
         return self._shards[partition_id]
 
     def train(
-        self, partition_id: int, server_round: int, global_params: list[np.ndarray], sync_seed: int | None
+        self, partition_id: int, server_round: int, global_params: list[np.ndarray], sync_seed: int | None,
+        out: list[np.ndarray] | None = None,
     ) -> ClientReply:
+        """One client's round; with ``out`` (arrays shaped like the parameters), Δ_k is written
+        into them and the reply's update is that list."""
         fault = self.cfg.fault_for(partition_id, server_round)
         if fault:
             _raise_or_hang(fault, self.cfg.round_timeout)
         images, labels = self.shard(partition_id)
         order_key = None if self.cfg.identical_shards else partition_id
         generator = torch.Generator().manual_seed(batch_order_seed(self.cfg.seed, server_round, order_key))
-        result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator)
-        update = [t.detach().cpu().numpy() for t in result.update]
+        result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator, out)
+        update = list(out) if out is not None else [t.detach().cpu().numpy() for t in result.update]
         if fault:
             update = _corrupt(fault, update)
         return ClientReply(

@@ -47,9 +47,10 @@ def reply_from_message(content: RecordDict) -> ClientReply:
     )
 
 
-def message_from_reply(reply: ClientReply) -> RecordDict:
+def message_from_reply(reply: ClientReply, update: ArrayRecord | None = None) -> RecordDict:
+    """The reply's content; ``update`` is Δ_k's record when the caller already has one."""
     content = RecordDict({
-        "update": record_from_arrays(reply.update),
+        "update": record_from_arrays(reply.update) if update is None else update,
         "metrics": MetricRecord({
             "num-examples": reply.num_examples,
             "train-loss": reply.train_loss,

@@ -7,7 +7,7 @@ import pytest
 from flwr.app import Array, ArrayRecord
 
 from fedmask_app import ray_transport
-from fedmask_app.records import array_view, record_from_arrays, record_views
+from fedmask_app.records import NpyBlocks, array_view, record_from_arrays, record_views
 
 ARRAYS = [
     np.arange(12, dtype=np.float32).reshape(3, 4),
@@ -46,6 +46,25 @@ def test_views_share_the_bytes_and_are_read_only():
     (view,) = record_views(record)
     assert not view.flags.writeable
     assert np.shares_memory(view, np.frombuffer(record["0"].data, dtype=np.uint8))
+
+
+def test_npy_blocks_send_their_arrays_without_a_copy():
+    like = [a for a in ARRAYS if a.flags.c_contiguous]
+    blocks = NpyBlocks(like)
+    for target, value in zip(blocks.arrays, like, strict=True):
+        target[...] = value
+    record = blocks.record_of(blocks.arrays)
+    _assert_same(record_views(record), like)
+    _assert_same(record.to_numpy_ndarrays(), like)  # Flower reads the memoryview as .npy bytes
+    assert all(np.shares_memory(v, a) for v, a in zip(record_views(record), blocks.arrays, strict=True) if a.size)
+    assert [record[k].data.tobytes() for k in record] == [a.data for a in record_from_arrays(like).values()]
+
+
+def test_npy_blocks_refuse_arrays_that_are_not_theirs():
+    blocks = NpyBlocks([np.zeros(3, np.float32), np.zeros(2, np.float32)])
+    replaced = [np.full(3, np.nan, np.float32), blocks.arrays[1]]  # what a fault injection does
+    assert blocks.record_of(replaced) is None
+    assert blocks.record_of(blocks.arrays[:1]) is None
 
 
 def test_object_arrays_are_refused():

@@ -1,0 +1,32 @@
+"""clients.training.local_update: Δ_k = θ − θ_k, the same whether or not it is written into
+caller-supplied arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from clients.training import LocalTraining, local_update
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    theta = [p.detach().numpy().copy() for p in model.parameters()]
+    images = torch.randn(12, 5)
+    labels = torch.randint(0, 3, (12,))
+    return model, theta, images, labels
+
+
+def test_update_written_into_out_equals_the_returned_one():
+    model, theta, images, labels = _setup()
+    training = LocalTraining(epochs=2, batch_size=4, lr=0.1)
+    plain = local_update(model, theta, images, labels, training, torch.Generator().manual_seed(3))
+    out = [np.full_like(t, np.nan) for t in theta]
+    written = local_update(model, theta, images, labels, training, torch.Generator().manual_seed(3), out)
+    for a, b, o in zip(plain.update, written.update, out, strict=True):
+        np.testing.assert_array_equal(a.numpy(), o)  # bit for bit
+        assert np.shares_memory(b.numpy(), o)
+    assert plain.train_loss == written.train_loss and plain.num_examples == written.num_examples == 12
+    assert not np.allclose(out[0], 0.0)  # training moved the weights
