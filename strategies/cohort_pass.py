@@ -71,6 +71,7 @@ def _reduce_blocks(
     new_params: list,
 ) -> _Partial:
     partial = _Partial(sq_norms=[0.0] * len(updates))
+    total_weight = sum(weights)
     buffers = np.empty((5, CHUNK))
     for b in blocks:
         flats = [np.asarray(u[b]).reshape(-1) for u in updates]
@@ -109,11 +110,11 @@ def _reduce_blocks(
                 if step.block_coefs is not None:
                     delta = masked_total
                 elif step.weighted:
-                    delta = np.divide(weighted_total, sum(weights), out=scaled)
+                    delta = np.divide(weighted_total, total_weight, out=scaled)
                 else:
                     delta = np.divide(total, len(updates), out=scaled)
-                np.subtract(theta_flat[lo : lo + n], delta, out=x)
-                out[lo : lo + n] = x
+                # In float64, rounded once to θ's dtype: (θ − step).astype(θ.dtype).
+                np.subtract(theta_flat[lo : lo + n], delta, out=out[lo : lo + n], casting="unsafe")
         if step is not None:
             new_params[b] = out.reshape(theta.shape)
     return partial
