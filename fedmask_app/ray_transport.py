@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 from flwr.app import ArrayRecord
 
-from fedmask_app.records import array_over_buffer
+from fedmask_app.records import record_over_buffers
 
 _registered = False
 _last_broadcast: tuple[weakref.ref, object] | None = None  # (record, ObjectRef of its buffers)
@@ -28,21 +28,14 @@ def _buffers(record: ArrayRecord) -> list[tuple]:
     return [(key, a.dtype, a.shape, a.stype, np.frombuffer(a.data, dtype=np.uint8)) for key, a in record.items()]
 
 
-def _record_from_buffers(buffers: list[tuple]) -> ArrayRecord:
-    """Arrays over Ray's read-only buffers, not copies of them."""
-    record = ArrayRecord()
-    for key, dtype, shape, stype, buffer in buffers:
-        record[key] = array_over_buffer(dtype, shape, stype, buffer)
-    return record
-
-
 def _record_from_payload(payload: tuple) -> ArrayRecord:
+    """Arrays over Ray's read-only buffers, not copies of them."""
     kind, content = payload
     if kind == "shared":
         import ray
 
         content = ray.get(content)
-    return _record_from_buffers(content)
+    return record_over_buffers(content)
 
 
 def _inline_payload(record: ArrayRecord) -> tuple:

@@ -11,16 +11,18 @@ from __future__ import annotations
 import functools
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
 from numpy.lib import format as npy
 
 
-def _npy_header(value: np.ndarray) -> bytes:
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The .npy 1.0 header of a C-ordered array."""
     header = io.BytesIO()
-    npy.write_array_header_1_0(header, npy.header_data_from_array_1_0(value))
+    npy.write_array_header_1_0(header, {"descr": npy.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
     return header.getvalue()
 
 
@@ -29,7 +31,7 @@ def array_from_numpy(value: np.ndarray) -> Array:
     value = np.asarray(value)
     if not value.flags.c_contiguous:
         value = value.copy(order="C")
-    data = b"".join((_npy_header(value), value.reshape(-1).view(np.uint8)))
+    data = b"".join((_npy_header(value.dtype, value.shape), value.reshape(-1).view(np.uint8)))
     return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype="numpy.ndarray", data=data)
 
 
@@ -42,6 +44,14 @@ def array_over_buffer(dtype: str, shape: tuple[int, ...], stype: str, buffer) ->
     array = Array.__new__(Array)  # Array() insists on bytes, which would cost a copy
     array.__dict__.update(dtype=dtype, shape=tuple(shape), stype=stype, data=memoryview(buffer))
     return array
+
+
+def record_over_buffers(arrays: Iterable[tuple[str, str, tuple[int, ...], str, Any]]) -> ArrayRecord:
+    """An ArrayRecord of ``array_over_buffer`` Arrays from (key, dtype, shape, stype, buffer)."""
+    record = ArrayRecord()  # item by item: ArrayRecord(dict) re-creates each Array, which needs bytes
+    for key, dtype, shape, stype, buffer in arrays:
+        record[key] = array_over_buffer(dtype, shape, stype, buffer)
+    return record
 
 
 class NpyBlocks:
@@ -57,19 +67,20 @@ class NpyBlocks:
         self._buffers: list[np.ndarray] = []
         self.arrays: list[np.ndarray] = []
         for value in like:
-            header = _npy_header(np.empty(np.shape(value), dtype=np.asarray(value).dtype))
-            buffer = np.empty(len(header) + np.asarray(value).nbytes, dtype=np.uint8)
+            value = np.asarray(value)
+            header = _npy_header(value.dtype, value.shape)
+            buffer = np.empty(len(header) + value.nbytes, dtype=np.uint8)
             buffer[: len(header)] = np.frombuffer(header, dtype=np.uint8)
             self._buffers.append(buffer)
-            self.arrays.append(buffer[len(header) :].view(np.asarray(value).dtype).reshape(np.shape(value)))
+            self.arrays.append(buffer[len(header) :].view(value.dtype).reshape(value.shape))
 
     def record_of(self, update: Sequence[np.ndarray]) -> ArrayRecord | None:
         if len(update) != len(self.arrays) or any(u is not a for u, a in zip(update, self.arrays, strict=True)):
             return None
-        record = ArrayRecord()  # item by item: ArrayRecord(dict) rebuilds Arrays from their bytes
-        for i, (a, buffer) in enumerate(zip(self.arrays, self._buffers, strict=True)):
-            record[str(i)] = array_over_buffer(str(a.dtype), a.shape, "numpy.ndarray", buffer)
-        return record
+        return record_over_buffers(
+            (str(i), str(a.dtype), a.shape, "numpy.ndarray", buffer)
+            for i, (a, buffer) in enumerate(zip(self.arrays, self._buffers, strict=True))
+        )
 
 
 def record_from_arrays(arrays: Sequence[np.ndarray]) -> ArrayRecord:
@@ -87,7 +98,7 @@ def _parse_header(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
 
 
 def array_view(array: Array) -> np.ndarray:
-    """A read-only ndarray over the Array's .npy bytes, without copying them."""
+    """An ndarray over the Array's .npy bytes, without copying them (read-only over bytes)."""
     if array.stype != "numpy.ndarray":
         raise TypeError(f"array of stype {array.stype!r}, expected 'numpy.ndarray'")
     data = array.data
