@@ -6,8 +6,9 @@ into Ray's object store, and out again on the other side, for every message. Wit
 ``ray.util.register_serializer`` the bytes travel as NumPy buffers instead: Ray writes them to
 its shared-memory object store once and the reader's Arrays read them in place. On the server,
 the global model that a round sends to every client is put in the store once per round
-(``broadcast=True``), not once per message. Real deployments (gRPC) are untouched: nothing here
-runs outside a Ray process.
+(``broadcast=True``), not once per message. A client's update written in a slot lent by the
+server (``reply_slots``) crosses as the slot's name and its blocks' places in it. Real deployments
+(gRPC) are untouched: nothing here runs outside a Ray process.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from fedmask_app.records import record_over_buffers
+from fedmask_app.reply_slots import segment
 
 _registered = False
 _last_broadcast: tuple[weakref.ref, object] | None = None  # (record, ObjectRef of its buffers)
+_in_slot: tuple[weakref.ref, str, list[tuple[int, int]]] | None = None  # (record, slot, its blocks' spans)
 
 
 def _buffers(record: ArrayRecord) -> list[tuple]:
@@ -29,8 +32,15 @@ def _buffers(record: ArrayRecord) -> list[tuple]:
 
 
 def _record_from_payload(payload: tuple) -> ArrayRecord:
-    """Arrays over Ray's read-only buffers, not copies of them."""
+    """Arrays over Ray's read-only buffers (or a slot's), not copies of them."""
     kind, content = payload
+    if kind == "slot":
+        name, arrays = content
+        memory = segment(name).buf
+        return record_over_buffers(
+            (key, dtype, shape, stype, memory[start:stop].toreadonly())
+            for key, dtype, shape, stype, (start, stop) in arrays
+        )
     if kind == "shared":
         import ray
 
@@ -38,7 +48,17 @@ def _record_from_payload(payload: tuple) -> ArrayRecord:
     return record_over_buffers(content)
 
 
+def send_from_slot(record: ArrayRecord, slot: str, spans: list[tuple[int, int]]) -> None:
+    """Mark ``record`` (the next reply's arrays, over ``slot`` at ``spans``) to cross as the slot's name."""
+    global _in_slot
+    _in_slot = (weakref.ref(record), slot, spans)
+
+
 def _inline_payload(record: ArrayRecord) -> tuple:
+    if _in_slot is not None and _in_slot[0]() is record:
+        _, slot, spans = _in_slot
+        arrays = [(key, a.dtype, a.shape, a.stype, span) for (key, a), span in zip(record.items(), spans, strict=True)]
+        return "slot", (slot, arrays)
     return "inline", _buffers(record)
 
 

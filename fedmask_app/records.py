@@ -54,25 +54,48 @@ def record_over_buffers(arrays: Iterable[tuple[str, str, tuple[int, ...], str, A
     return record
 
 
+NPY_ALIGN = 64  # every block starts on a 64-byte boundary (the .npy headers are 64-byte multiples)
+
+
+def npy_spans(like: Sequence[np.ndarray]) -> list[tuple[int, int]]:
+    """(start, stop) of each block's .npy bytes when the blocks are laid out one after another."""
+    spans, stop = [], 0
+    for value in like:
+        start = -(-stop // NPY_ALIGN) * NPY_ALIGN
+        stop = start + len(_npy_header(value.dtype, value.shape)) + value.nbytes
+        spans.append((start, stop))
+    return spans
+
+
 class NpyBlocks:
     """One reusable .npy-laid-out buffer per model block, for writing a reply in place.
 
-    ``arrays`` are writable views of the buffers' data parts; ``record_of(update)`` is an
-    ArrayRecord over the buffers when ``update`` is exactly those views (no copy), else None.
-    Such a record is valid until the buffers are next written: a Ray actor's reply is copied
-    into the object store when its call returns, before the next call.
+    The blocks lie one after another (``spans``) in ``buffer`` (any writable buffer of at least
+    ``spans[-1][1]`` bytes, e.g. a shared-memory segment) or in a new one. ``arrays`` are writable
+    views of the blocks' data parts; ``record_of(update)`` is an ArrayRecord over the blocks when
+    ``update`` is exactly those views (no copy), else None. Such a record is valid until the
+    blocks are next written: a Ray actor's reply is copied into the object store when its call
+    returns, before the next call.
     """
 
-    def __init__(self, like: Sequence[np.ndarray]):
+    def __init__(self, like: Sequence[np.ndarray], buffer=None):
+        like = [np.asarray(value) for value in like]
+        self.spans = npy_spans(like)
+        size = self.spans[-1][1] if self.spans else 0
+        if buffer is None:
+            memory = np.empty(size, dtype=np.uint8)
+        else:
+            memory = np.frombuffer(buffer, dtype=np.uint8)
+            if memory.size < size:
+                raise ValueError(f"the buffer holds {memory.size} bytes, the blocks need {size}")
         self._buffers: list[np.ndarray] = []
         self.arrays: list[np.ndarray] = []
-        for value in like:
-            value = np.asarray(value)
+        for value, (start, stop) in zip(like, self.spans, strict=True):
             header = _npy_header(value.dtype, value.shape)
-            buffer = np.empty(len(header) + value.nbytes, dtype=np.uint8)
-            buffer[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-            self._buffers.append(buffer)
-            self.arrays.append(buffer[len(header) :].view(value.dtype).reshape(value.shape))
+            block = memory[start:stop]
+            block[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+            self._buffers.append(block)
+            self.arrays.append(block[len(header) :].view(value.dtype).reshape(value.shape))
 
     def record_of(self, update: Sequence[np.ndarray]) -> ArrayRecord | None:
         if len(update) != len(self.arrays) or any(u is not a for u, a in zip(update, self.arrays, strict=True)):

@@ -13,7 +13,9 @@ from flwr.superlink.grid import InMemoryGrid
 from fedmask_app.config import RunConfig
 from fedmask_app.ray_transport import use_shared_buffers
 from fedmask_app.records import record_from_arrays
+from fedmask_app.reply_slots import ReplySlots
 from fedmask_app.run_loop import run_rounds
+from fedmask_app.simulation_wakeup import wake_message_extractor
 from strategies.masked_fedavg import MaskedFedAvg
 from strategies.round import RoundOutcome
 
@@ -33,6 +35,7 @@ def send_and_receive(grid: Grid, messages: Iterable[Message], timeout: float) ->
     if not isinstance(grid, InMemoryGrid):
         return list(grid.send_and_receive(messages, timeout=timeout))
     pending = set(grid.push_messages(messages))
+    wake_message_extractor()
     deadline = time.monotonic() + timeout
     replies: list[Message] = []
     while pending:
@@ -51,15 +54,30 @@ def main(grid: Grid, context: Context) -> None:
     cfg = RunConfig.from_mapping(context.run_config)
     strategy = MaskedFedAvg(cfg)
     arrays: ArrayRecord | None = None
+    slots: ReplySlots | None = None
+    slots_tried = False
 
     def train_round(server_round: int, params: list[np.ndarray]) -> RoundOutcome:
-        nonlocal arrays
-        use_shared_buffers(broadcast=True)
+        nonlocal arrays, slots, slots_tried
+        through_ray = use_shared_buffers(broadcast=True)  # Ray may start after the first round began
         if arrays is None:  # first round of this process (fresh or resumed)
             arrays = record_from_arrays(params)
+        if through_ray and not slots_tried and isinstance(grid, InMemoryGrid):
+            slots_tried = True
+            slots = ReplySlots.for_model(params, cfg.clients_per_round)
+            if slots is not None:
+                print(f"[fedmask] clients write their updates into shared-memory slots of {slots.nbytes >> 20} MiB")
         messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
+        if slots is not None:
+            messages = slots.lend(messages)
         replies = send_and_receive(grid, messages, timeout=cfg.round_timeout)
         arrays, _ = strategy.aggregate_train(server_round, replies)
+        if slots is not None:
+            slots.take_back(replies)
         return strategy.last_outcome
 
-    run_rounds(cfg, ENGINE, train_round)
+    try:
+        run_rounds(cfg, ENGINE, train_round)
+    finally:
+        if slots is not None:
+            slots.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -12,6 +13,7 @@ from flwr_runner import SHARED_DATA, FlowerRunner, write_run_config
 
 from fedmask_app.config import load_run_config
 from fedmask_app.local_engine import run_local
+from fedmask_app.reply_slots import SLOT_NAME
 from fedmask_app.results import COLUMNS
 from strategies.cohort import sample_cohort
 
@@ -46,9 +48,17 @@ def run_flower(flower: FlowerRunner, tmp_path, name: str, **overrides) -> tuple[
     return rows, log
 
 
+def reply_slots_in_shared_memory() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.iterdir() if SLOT_NAME.fullmatch(p.name)} if shm.is_dir() else set()
+
+
 def test_rounds_csv_determinism_and_local_engine_agree(flower, tmp_path):
     overrides = {"mask-mode": "independent", "keep-prob": 0.5, "threads": 1}
+    slots_before = reply_slots_in_shared_memory()
     first, log = run_flower(flower, tmp_path, "first", **overrides)
+    assert "clients write their updates into shared-memory slots" in log
+    assert reply_slots_in_shared_memory() <= slots_before  # the server unlinked its slots
     assert list(first.columns) == list(COLUMNS), log
     assert first["round"].tolist() == [1, 2], log
     assert (first["num_clients"] == 3).all() and (first["num_failures"] == 0).all()
