@@ -13,6 +13,7 @@ server (``reply_slots``) crosses as the slot's name and its blocks' places in it
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 
@@ -22,6 +23,7 @@ from flwr.app import ArrayRecord
 from fedmask_app.records import record_over_buffers
 from fedmask_app.reply_slots import segment
 
+log = logging.getLogger("fedmask")
 _registered = False
 _last_broadcast: tuple[weakref.ref, object] | None = None  # (record, ObjectRef of its buffers)
 _in_slot: tuple[weakref.ref, str, list[tuple[int, int]]] | None = None  # (record, slot, its blocks' spans)
@@ -36,7 +38,11 @@ def _record_from_payload(payload: tuple) -> ArrayRecord:
     kind, content = payload
     if kind == "slot":
         name, arrays = content
-        memory = segment(name).buf
+        try:
+            memory = segment(name).buf
+        except FileNotFoundError:  # retired: the reply came after its round gave up on it
+            log.warning("reply slot %s is gone (its message timed out); the reply has no update", name)
+            return ArrayRecord()
         return record_over_buffers(
             (key, dtype, shape, stype, memory[start:stop].toreadonly())
             for key, dtype, shape, stype, (start, stop) in arrays

@@ -194,3 +194,8 @@ def test_slots_of_killed_servers_are_removed(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     assert reply_slots.remove_stale_slots(tmp_path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])  # live servers' and others' stay
+
+
+def test_a_reply_naming_a_retired_slot_arrives_without_an_update():
+    payload = ("slot", ("fm1-abcdef-0", [("0", "float32", (5,), "numpy.ndarray", (0, 148))]))
+    assert len(ray_transport._record_from_payload(payload)) == 0  # then left out: "0 arrays, expected ..."
