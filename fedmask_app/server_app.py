@@ -70,10 +70,13 @@ def main(grid: Grid, context: Context) -> None:
         messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
         if slots is not None:
             messages = slots.lend(messages)
-        replies = send_and_receive(grid, messages, timeout=cfg.round_timeout)
-        arrays, _ = strategy.aggregate_train(server_round, replies)
-        if slots is not None:
-            slots.take_back(replies)
+        replies: list[Message] = []
+        try:
+            replies = send_and_receive(grid, messages, timeout=cfg.round_timeout)
+            arrays, _ = strategy.aggregate_train(server_round, replies)
+        finally:  # also when the round failed: slots without a reply retire
+            if slots is not None:
+                slots.take_back(replies)
         return strategy.last_outcome
 
     try:
