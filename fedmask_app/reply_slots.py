@@ -55,9 +55,10 @@ def segment(name: str) -> shared_memory.SharedMemory:
     attached = _segments.get(name)
     if attached is None:
         attached = shared_memory.SharedMemory(name=name)
-        # Python < 3.13 registers an attached segment with this process's resource tracker,
-        # which would unlink it when this process exits, from under the server that owns it.
-        resource_tracker.unregister(attached._name, "shared_memory")
+        # Python < 3.13 registers an attached POSIX segment with this process's resource
+        # tracker, which would unlink it when this process exits, from under the server.
+        if os.name == "posix":
+            resource_tracker.unregister(attached._name, "shared_memory")
         _populate(attached)
         _segments[name] = attached
     return attached
