@@ -67,6 +67,12 @@ def npy_spans(like: Sequence[np.ndarray]) -> list[tuple[int, int]]:
     return spans
 
 
+def npy_nbytes(like: Sequence[np.ndarray]) -> int:
+    """Bytes that ``NpyBlocks(like)`` lays its blocks out in."""
+    spans = npy_spans(like)
+    return spans[-1][1] if spans else 0
+
+
 class NpyBlocks:
     """One reusable .npy-laid-out buffer per model block, for writing a reply in place.
 
@@ -81,7 +87,7 @@ class NpyBlocks:
     def __init__(self, like: Sequence[np.ndarray], buffer=None):
         like = [np.asarray(value) for value in like]
         self.spans = npy_spans(like)
-        size = self.spans[-1][1] if self.spans else 0
+        size = npy_nbytes(like)
         if buffer is None:
             memory = np.empty(size, dtype=np.uint8)
         else:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedmask_app.records import NpyBlocks, npy_spans
+from fedmask_app.records import NpyBlocks, npy_nbytes
 
 log = logging.getLogger("fedmask")
 
@@ -109,7 +109,7 @@ class ReplySlots:
         removed = remove_stale_slots()
         if removed:
             log.warning("removed %d reply slots left in /dev/shm by a server that was killed", removed)
-        nbytes = npy_spans([np.asarray(p) for p in params])[-1][1]
+        nbytes = npy_nbytes([np.asarray(p) for p in params])
         if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free < 1.5 * slots_needed * nbytes:
             log.warning("/dev/shm has no room for %d replies of %d MiB: replies travel through Ray's object "
                         "store instead", slots_needed, nbytes >> 20)
