@@ -29,11 +29,11 @@ from pathlib import Path
 import pandas as pd
 
 from fedmask_app.cli.run import run_with_flower
-from fedmask_app.config import run_config_from_values
-from fedmask_app.local_engine import run_local
-from fedmask_app.model import initial_parameters
-from fedmask_app.results import is_complete
-from fedmask_app.task import ClientTask
+from fedmask_app.engines.local import run_local
+from fedmask_app.run.client_task import ClientTask
+from fedmask_app.run.config import run_config_from_values
+from fedmask_app.run.model import initial_parameters
+from fedmask_app.run.results import is_complete
 from strategies.aggregate import aggregate_cohort
 from strategies.cohort import sample_cohort
 

@@ -22,8 +22,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from clients.seeds import synchronized_mask_seed
-from fedmask_app.config import RunConfig
-from fedmask_app.records import record_from_arrays, record_views
+from fedmask_app.engines.flower.fast.buffers import record_from_arrays, record_views
+from fedmask_app.run.config import RunConfig
 from strategies.aggregate import ClientReply
 from strategies.cohort import sample_cohort
 from strategies.round import RoundOutcome, finish_round

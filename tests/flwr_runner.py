@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from fedmask_app.config import toml_value
+from fedmask_app.run.config import toml_value
 
 PROJECT = Path(__file__).resolve().parents[1]
 SHARED_DATA = PROJECT.parent / "shared" / "data"

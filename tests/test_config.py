@@ -1,4 +1,4 @@
-"""fedmask_app.config: pyproject defaults, overrides, and a ConfigError naming key and value."""
+"""fedmask_app.run.config: pyproject defaults, overrides, and a ConfigError naming key and value."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from fedmask_app.config import (
+from fedmask_app.run.config import (
     ConfigError,
     RunConfig,
     load_run_config,

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flwr_runner import SHARED_DATA
 
-from fedmask_app import data
-from fedmask_app.data import DataError, ensure_cifar10, load_cifar10
+from fedmask_app.run import data
+from fedmask_app.run.data import DataError, ensure_cifar10, load_cifar10
 
 SHARED_FILE = SHARED_DATA / data.FILE_NAME
 

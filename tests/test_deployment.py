@@ -26,11 +26,11 @@ import pytest
 from flwr_runner import SHARED_DATA, write_run_config
 
 from fedmask_app.cli import export_shards
-from fedmask_app.config import load_run_config
-from fedmask_app.data import CONTENT_SHA256, FILE_NAME, load_cifar10
-from fedmask_app.results import COLUMNS
-from fedmask_app.shards import check_shard_matches, load_shard_file
-from fedmask_app.task import client_shards
+from fedmask_app.deploy.shards import check_shard_matches, load_shard_file
+from fedmask_app.run.client_task import client_shards
+from fedmask_app.run.config import load_run_config
+from fedmask_app.run.data import CONTENT_SHA256, FILE_NAME, load_cifar10
+from fedmask_app.run.results import COLUMNS
 
 PROJECT = Path(__file__).resolve().parents[1]
 DEPLOY = PROJECT / "deploy"

@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 from flwr_runner import SHARED_DATA, FlowerRunner, write_run_config
 
-from fedmask_app.config import load_run_config
-from fedmask_app.local_engine import run_local
-from fedmask_app.reply_slots import SLOT_NAME
-from fedmask_app.results import COLUMNS
+from fedmask_app.engines.flower.fast.slots import SLOT_NAME
+from fedmask_app.engines.local import run_local
+from fedmask_app.run.config import load_run_config
+from fedmask_app.run.results import COLUMNS
 from strategies.cohort import sample_cohort
 
 pytestmark = pytest.mark.slow

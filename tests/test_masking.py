@@ -14,7 +14,7 @@ from clients.seeds import (
     independent_mask_seed,
     synchronized_mask_seed,
 )
-from fedmask_app.config import load_run_config
+from fedmask_app.run.config import load_run_config
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def base_cfg(tmp_path_factory):
 
 
 def _client_mask(cfg, server_round, partition_id, sync_seed, num_blocks):
-    from fedmask_app.task import client_mask  # imports torch and the model; only these tests need it
+    from fedmask_app.run.client_task import client_mask  # imports torch and the model; only these tests need it
 
     return client_mask(cfg, server_round, partition_id, sync_seed, num_blocks)
 

@@ -1,4 +1,4 @@
-"""fedmask_app.partition against flwr-datasets' DirichletPartitioner, on the real CIFAR-10 labels."""
+"""fedmask_app.run.partition against flwr-datasets' DirichletPartitioner, on the real CIFAR-10 labels."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedmask_app.partition import dirichlet_partition, identical_shards
+from fedmask_app.run.partition import dirichlet_partition, identical_shards
 
 CIFAR10 = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10.npz"
 MIN_SIZE = 10

@@ -1,4 +1,4 @@
-"""fedmask_app.records and fedmask_app.ray_transport: the same arrays as Flower's own conversions."""
+"""Record helpers of the Flower engine (buffers, ray_transport): the same arrays as Flower's own conversions."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
-from fedmask_app import ray_transport
-from fedmask_app.records import NpyBlocks, array_view, record_from_arrays, record_views
+from fedmask_app.engines.flower.fast import ray_transport
+from fedmask_app.engines.flower.fast.buffers import NpyBlocks, array_view, record_from_arrays, record_views
 
 ARRAYS = [
     np.arange(12, dtype=np.float32).reshape(3, 4),

@@ -1,4 +1,4 @@
-"""fedmask_app.reply_slots (with the slot payloads of ray_transport) and simulation_wakeup."""
+"""fedmask_app.engines.flower.fast.slots (with the slot payloads of ray_transport) and simulation_wakeup."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedmask_app import ray_transport, reply_slots
-from fedmask_app.records import record_from_arrays, record_views
-from fedmask_app.reply_slots import SLOT_KEY, ReplySlots, slot_blocks
-from fedmask_app.simulation_wakeup import wake_message_extractor
+from fedmask_app.engines.flower.fast import ray_transport
+from fedmask_app.engines.flower.fast import slots as reply_slots
+from fedmask_app.engines.flower.fast.buffers import record_from_arrays, record_views
+from fedmask_app.engines.flower.fast.slots import SLOT_KEY, ReplySlots, slot_blocks
+from fedmask_app.engines.flower.fast.wakeup import wake_message_extractor
 
 LIKE = [np.zeros((3, 4), np.float32), np.zeros(5, np.float32), np.zeros(3, np.int64), np.zeros((0, 2), np.float32)]
 VALUES = [np.arange(12, dtype=np.float32).reshape(3, 4), np.linspace(-1, 1, 5, dtype=np.float32),
@@ -109,7 +110,7 @@ def test_a_client_process_writes_into_the_slot_and_leaves_it_to_the_server(slots
     name = slots.lend(train_messages([1]))[0].content["config"][SLOT_KEY]
     client = (
         "import numpy as np\n"
-        "from fedmask_app.reply_slots import slot_blocks\n"
+        "from fedmask_app.engines.flower.fast.slots import slot_blocks\n"
         f"blocks = slot_blocks({name!r}, [np.zeros(5, np.float32)] * 2)\n"
         "blocks.arrays[1][...] = np.arange(5)\n"
     )

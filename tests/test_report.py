@@ -1,4 +1,4 @@
-"""fedmask-report and fedmask_app.summary on hand-made run folders whose medians are computed by hand;
+"""fedmask-report and fedmask_app.report.summary on hand-made run folders whose medians are computed by hand;
 the slow test makes a tiny sweep and runs notebooks/analysis.ipynb on it."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 from flwr_runner import SHARED_DATA
 
-from fedmask_app import summary
 from fedmask_app.cli import report
+from fedmask_app.report import summary
 
 NAN = float("nan")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -24,7 +24,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 
 
 def write_run(root: Path, name: str, config: dict, rows: list[dict], tail: str = "") -> Path:
-    """A run folder as fedmask_app.results writes it: config.json and rounds.csv (NaN -> empty cell)."""
+    """A run folder as fedmask_app.run.results writes it: config.json and rounds.csv (NaN -> empty cell)."""
     run_dir = root / name
     run_dir.mkdir(parents=True)
     run_config = {
@@ -72,7 +72,7 @@ def runs_root(tmp_path: Path) -> Path:
 
 
 def test_reading_results_does_not_import_torch():
-    code = "import sys, fedmask_app.summary, fedmask_app.cli.report; sys.exit('torch' in sys.modules)"
+    code = "import sys, fedmask_app.report.summary, fedmask_app.cli.report; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fedmask_app.config import ConfigError, RunConfig, load_run_config
+from fedmask_app.run.config import ConfigError, RunConfig, load_run_config
 
 
 def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from fedmask_app.cli.common import add_run_config_arguments, run_config_from_args
-from fedmask_app.config import RunConfig
-from fedmask_app.data import CONTENT_SHA256, DataError, load_cifar10, resolve_data_dir
-from fedmask_app.files import atomic_write_json
-from fedmask_app.shards import partition_config, write_shard_file
-from fedmask_app.task import client_shards
+from fedmask_app.deploy.shards import partition_config, write_shard_file
+from fedmask_app.run.client_task import client_shards
+from fedmask_app.run.config import RunConfig
+from fedmask_app.run.data import CONTENT_SHA256, DataError, load_cifar10, resolve_data_dir
+from fedmask_app.run.files import atomic_write_json
 
 MANIFEST = "shards.json"
 

@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = run_config_from_args("fedmask-local", parser.parse_intermixed_args(argv))
     if cfg is None:
         return 2
-    from fedmask_app.local_engine import run_local
-    from fedmask_app.results import ResultsError
+    from fedmask_app.engines.local import run_local
+    from fedmask_app.run.results import ResultsError
     from strategies.round import RoundFailed
 
     try:

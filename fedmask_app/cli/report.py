@@ -15,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from fedmask_app import summary
+from fedmask_app.report import summary
 
 
 def _warn(message: str) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fedmask_app.cli.common import add_run_config_arguments, run_config_from_args
-from fedmask_app.config import PROJECT_ROOT, RunConfig, toml_value
+from fedmask_app.run.config import PROJECT_ROOT, RunConfig, toml_value
 
 
 def default_gpu_fraction() -> float:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     code = run_with_flower(cfg, args.num_cpus, args.num_gpus)
-    from fedmask_app.results import is_complete
+    from fedmask_app.run.results import is_complete
 
     if code != 0 or not is_complete(cfg.run_dir, cfg.num_rounds):
         print(f"fedmask-run: the run did not complete (flwr exit code {code}); see the log above", file=sys.stderr)

@@ -11,9 +11,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from fedmask_app.cli.run import run_with_flower
-from fedmask_app.config import ConfigError, RunConfig, parse_overrides, run_config_from_values
-from fedmask_app.grid import GridRun, load_grid
-from fedmask_app.results import is_complete
+from fedmask_app.run.config import ConfigError, RunConfig, parse_overrides, run_config_from_values
+from fedmask_app.run.results import is_complete
+from fedmask_app.sweep.grid import GridRun, load_grid
 
 ROUND_LINE = re.compile(r"\[fedmask\] round (\d+)/(\d+)")
 
@@ -29,7 +29,7 @@ def _run_flower(cfg: RunConfig, args: argparse.Namespace, on_round) -> None:
 
 
 def _run_local(cfg: RunConfig, args: argparse.Namespace, on_round) -> None:
-    from fedmask_app.local_engine import run_local
+    from fedmask_app.engines.local import run_local
 
     run_local(cfg, echo=lambda line: on_round(line) if ROUND_LINE.search(line) else None)
 

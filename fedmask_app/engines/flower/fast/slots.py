@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedmask_app.records import NpyBlocks, npy_nbytes
+from fedmask_app.engines.flower.fast.buffers import NpyBlocks, npy_nbytes
 
 log = logging.getLogger("fedmask")
 

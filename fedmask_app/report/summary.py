@@ -34,7 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from fedmask_app.schema import CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE
+from fedmask_app.run.schema import CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE
 
 # The statistics the paper reports per configuration (median over the window, then over seeds).
 METRICS = ("recovery", "recovery_weighted", "mu2_hat", "sigma2_hat", "test_accuracy")

@@ -18,10 +18,10 @@ from torch import nn
 from clients.masking import block_mask
 from clients.seeds import batch_order_seed, independent_mask_seed
 from clients.training import LocalTraining, load_parameters, local_update
-from fedmask_app.config import FaultInjection, RunConfig
-from fedmask_app.data import load_cifar10, normalize, resolve_data_dir
-from fedmask_app.model import build_model
-from fedmask_app.partition import dirichlet_partition, identical_shards
+from fedmask_app.run.config import FaultInjection, RunConfig
+from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
+from fedmask_app.run.model import build_model
+from fedmask_app.run.partition import dirichlet_partition, identical_shards
 from strategies.aggregate import ClientReply
 
 

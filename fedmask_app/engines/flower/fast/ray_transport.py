@@ -20,8 +20,8 @@ import weakref
 import numpy as np
 from flwr.app import ArrayRecord
 
-from fedmask_app.records import record_over_buffers
-from fedmask_app.reply_slots import segment
+from fedmask_app.engines.flower.fast.buffers import record_over_buffers
+from fedmask_app.engines.flower.fast.slots import segment
 
 log = logging.getLogger("fedmask")
 _registered = False

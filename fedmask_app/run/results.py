@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedmask_app.config import PROJECT_ROOT, RunConfig
-from fedmask_app.files import atomic_write, atomic_write_json
-from fedmask_app.schema import CHECKPOINT_FILE, CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE
+from fedmask_app.run.config import PROJECT_ROOT, RunConfig
+from fedmask_app.run.files import atomic_write, atomic_write_json
+from fedmask_app.run.schema import CHECKPOINT_FILE, CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE
 
 COLUMNS = ROUND_COLUMNS
 PACKAGES = ("torch", "torchvision", "numpy", "flwr", "flwr-datasets", "ray", "pandas")

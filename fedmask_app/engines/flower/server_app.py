@@ -10,12 +10,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import InMemoryGrid
 
-from fedmask_app.config import RunConfig
-from fedmask_app.ray_transport import use_shared_buffers
-from fedmask_app.records import record_from_arrays
-from fedmask_app.reply_slots import ReplySlots
-from fedmask_app.run_loop import run_rounds
-from fedmask_app.simulation_wakeup import wake_message_extractor
+from fedmask_app.engines.flower.fast.buffers import record_from_arrays
+from fedmask_app.engines.flower.fast.ray_transport import use_shared_buffers
+from fedmask_app.engines.flower.fast.slots import ReplySlots
+from fedmask_app.engines.flower.fast.wakeup import wake_message_extractor
+from fedmask_app.run.config import RunConfig
+from fedmask_app.run.loop import run_rounds
 from strategies.masked_fedavg import MaskedFedAvg
 from strategies.round import RoundOutcome
 

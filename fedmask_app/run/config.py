@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmask_app.data import FILE_NAME, resolve_data_dir
-from fedmask_app.model import MODELS
+from fedmask_app.run.data import FILE_NAME, resolve_data_dir
+from fedmask_app.run.model import MODELS
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MASK_MODES = ("none", "independent", "synchronized")
 AGGREGATIONS = ("weighted", "uniform")
 DEVICES = ("auto", "cpu", "cuda")

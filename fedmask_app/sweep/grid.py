@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmask_app.config import ConfigError
+from fedmask_app.run.config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import numpy as np
 
 from clients.seeds import synchronized_mask_seed
-from fedmask_app.config import RunConfig
-from fedmask_app.run_loop import TrainRound, run_rounds
-from fedmask_app.task import ClientTask
+from fedmask_app.run.client_task import ClientTask
+from fedmask_app.run.config import RunConfig
+from fedmask_app.run.loop import TrainRound, run_rounds
 from strategies.cohort import sample_cohort
 from strategies.round import RoundOutcome, finish_round
 

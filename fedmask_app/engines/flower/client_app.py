@@ -12,12 +12,12 @@ import logging
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedmask_app.config import RunConfig
-from fedmask_app.ray_transport import send_from_slot, use_shared_buffers
-from fedmask_app.records import NpyBlocks, record_views
-from fedmask_app.reply_slots import SLOT_KEY, slot_blocks
-from fedmask_app.shards import check_shard_matches, load_shard_file
-from fedmask_app.task import ClientTask, cached_client_task
+from fedmask_app.deploy.shards import check_shard_matches, load_shard_file
+from fedmask_app.engines.flower.fast.buffers import NpyBlocks, record_views
+from fedmask_app.engines.flower.fast.ray_transport import send_from_slot, use_shared_buffers
+from fedmask_app.engines.flower.fast.slots import SLOT_KEY, slot_blocks
+from fedmask_app.run.client_task import ClientTask, cached_client_task
+from fedmask_app.run.config import RunConfig
 from strategies.masked_fedavg import message_from_reply
 
 app = ClientApp()

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from fedmask_app.config import RunConfig
-from fedmask_app.files import atomic_write
+from fedmask_app.run.config import RunConfig
+from fedmask_app.run.files import atomic_write
 
 PARTITION_KEYS = ("seed", "num-clients", "alpha", "min-partition-size", "max-shard-size", "identical-shards")
 

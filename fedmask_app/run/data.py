@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from fedmask_app.files import atomic_write
+from fedmask_app.run.files import atomic_write
 
 FILE_NAME = "cifar10.npz"
 CONTENT_SHA256 = "6b3883dca6c867f1e58def548c063d1865569b8575fcbce06b3e468a89f9895a"
