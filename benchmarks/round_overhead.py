@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fedmask_app.cli.run import run_with_flower
+from fedmask_app.engines.flower.superlink import run_with_flower
 from fedmask_app.engines.local import run_local
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import run_config_from_values

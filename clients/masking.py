@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from clients.seeds import independent_mask_seed
+
 
 def block_mask(seed: int, num_blocks: int, keep_prob: float) -> np.ndarray:
     """m^(b) ~ Bernoulli(p), independent across the B blocks; returns a bool vector of length B."""
@@ -24,3 +26,23 @@ def apply_mask(update: Sequence, keep: Sequence[bool], keep_prob: float) -> list
     if len(update) != len(keep):
         raise ValueError(f"mask has {len(keep)} blocks, update has {len(update)}")
     return [block * scale for block, scale in zip(update, mask_scales(keep, keep_prob), strict=True)]
+
+
+def client_block_mask(
+    mask_mode: str, keep_prob: float, num_blocks: int, run_seed: int, server_round: int, partition_id: int,
+    sync_seed: int | None,
+) -> list[bool] | None:
+    """The block mask a client draws this round, or None when masking is off: from the server's
+    broadcast seed in ``synchronized`` mode (one mask for the cohort), from (run seed, round,
+    partition id) in ``independent`` mode."""
+    if mask_mode == "none":
+        return None
+    if mask_mode == "synchronized":
+        if sync_seed is None:
+            raise ValueError("synchronized masking needs the server's mask seed in the train config")
+        seed = sync_seed
+    elif mask_mode == "independent":
+        seed = independent_mask_seed(run_seed, server_round, partition_id)
+    else:
+        raise ValueError(f"unknown mask mode {mask_mode!r}: expected none, independent or synchronized")
+    return block_mask(seed, num_blocks, keep_prob).tolist()

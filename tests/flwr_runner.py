@@ -1,15 +1,16 @@
-"""Run the app through the real `flwr run . --stream` (local SuperLink, Ray simulation) in tests,
-and stop every process that run started: they all carry this session's FLWR_HOME in their
-environment, which is how they are found."""
+"""Run the app through the real `flwr run . --stream` (local SuperLink, Ray simulation) in tests, on
+a SuperLink of the test's own (``PrivateSuperLink``: free ports, this FLWR_HOME), and stop exactly
+the processes those runs started."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
+import psutil
+
+from fedmask_app.engines.flower.superlink import PrivateSuperLink
 from fedmask_app.run.config import toml_value
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -21,53 +22,9 @@ def write_run_config(path: Path, values: dict) -> Path:
     return path
 
 
-class FlowerRunner:
-    def __init__(self, flwr_home: Path):
-        self.flwr_home = flwr_home
-        flwr_home.mkdir(parents=True, exist_ok=True)
-        self.env = {
-            **os.environ,
-            "FLWR_HOME": str(flwr_home),
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-        self.stop_foreign_local_superlink()
-
-    def stop_foreign_local_superlink(self) -> None:
-        """`flwr run .` reuses any local SuperLink on its fixed port, whatever FLWR_HOME says (one
-        left by an earlier fedmask-run, say); its processes would escape ``kill_all``. Stop it and
-        its descendants: the next `flwr run` starts a fresh one."""
-        mine = set(self.processes())
-        children: dict[int, list[int]] = {}
-        superlinks = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-            if any(part.endswith(b"flower-superlink") for part in cmdline) and b"--simulation" in cmdline:
-                superlinks.append(int(entry.name))
-        for root in (pid for pid in superlinks if pid not in mine):
-            tree, todo = [], [root]
-            while todo:
-                pid = todo.pop()
-                tree.append(pid)
-                todo.extend(children.get(pid, []))
-            for pid in reversed(tree):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        time.sleep(1.0 if superlinks else 0.0)
-
+class FlowerRunner(PrivateSuperLink):
     def command(self, config_file: Path, num_supernodes: int, num_cpus: int = 1) -> list[str]:
-        federation = f"num-supernodes={num_supernodes} client-resources-num-cpus={num_cpus}"
-        return ["flwr", "run", str(PROJECT), "--stream", "--run-config", str(config_file),
-                "--federation-config", federation]
+        return self.flwr_run(config_file, f"num-supernodes={num_supernodes} client-resources-num-cpus={num_cpus}")
 
     def run(self, config_file: Path, num_supernodes: int, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -81,28 +38,15 @@ class FlowerRunner:
             stdout=log.open("w"), stderr=subprocess.STDOUT,
         )
 
-    def processes(self) -> list[int]:
-        """Pids of every process whose environment holds this FLWR_HOME (SuperLink, ServerApp, Ray)."""
-        marker = f"FLWR_HOME={self.flwr_home}".encode()
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                environ = (entry / "environ").read_bytes()
-            except OSError:
-                continue
-            if marker in environ.split(b"\0"):
-                pids.append(int(entry.name))
-        return pids
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes()]
 
-    def kill_all(self, sig: int = signal.SIGKILL, wait: float = 15.0) -> None:
-        """Kill everything this FLWR_HOME started, and wait until it is gone."""
-        deadline = time.monotonic() + wait
-        while (pids := self.processes()) and time.monotonic() < deadline:
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.5)
+    def kill_all(self, wait: float = 15.0) -> None:
+        """SIGKILL everything this runner started, and wait until it is gone."""
+        procs = self.processes()
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=wait)

@@ -1,13 +1,17 @@
-"""Record helpers of the Flower engine (buffers, ray_transport): the same arrays as Flower's own conversions."""
+"""The message layout's records (masked_fedavg) and the fast path's (buffers, ray_transport): the same
+arrays as Flower's own conversions."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
 from fedmask_app.engines.flower.fast import ray_transport
-from fedmask_app.engines.flower.fast.buffers import NpyBlocks, array_view, record_from_arrays, record_views
+from fedmask_app.engines.flower.fast.buffers import NpyBlocks, array_over_buffer
+from strategies.masked_fedavg import array_view, record_from_arrays, record_views
 
 ARRAYS = [
     np.arange(12, dtype=np.float32).reshape(3, 4),
@@ -80,9 +84,20 @@ def test_other_serialisations_are_refused():
         array_view(Array(dtype="float32", shape=(1,), stype="torch.Tensor", data=b"1234"))
 
 
+def test_array_over_buffer_reads_as_flowers_array():
+    """Fails when a Flower upgrade changes Array's attributes (array_over_buffer sets them directly)."""
+    value = np.arange(6, dtype=np.float32).reshape(2, 3)
+    bytes_array = record_from_arrays([value])["0"]
+    over = array_over_buffer(bytes_array.dtype, bytes_array.shape, bytes_array.stype, bytearray(bytes_array.data))
+    public = [{k for k in vars(a) if not k.startswith("_")} for a in (over, bytes_array)]
+    assert public[0] == public[1] == {"dtype", "shape", "stype", "data"}
+    np.testing.assert_array_equal(over.numpy(), value)
+    np.testing.assert_array_equal(array_view(over), value)
+
+
 def test_ray_payload_round_trip_without_copies():
     record = record_from_arrays(ARRAYS)
-    kind, buffers = ray_transport._inline_payload(record)
+    kind, buffers = ray_transport._payload(record)
     assert kind == "inline"
     assert all(np.shares_memory(buf, np.frombuffer(record[key].data, np.uint8)) for key, *_, buf in buffers)
     rebuilt = ray_transport._record_from_payload((kind, buffers))
@@ -100,34 +115,39 @@ def test_nothing_is_registered_outside_ray(monkeypatch):
 
         if ray.is_initialized():
             pytest.skip("a Ray session is running in this process")
-    assert ray_transport.use_shared_buffers(broadcast=True) is False
+    assert ray_transport.register_in_ray() is False
 
 
 @pytest.mark.slow
-def test_records_cross_a_real_ray_task(monkeypatch):
-    """Through Ray: a broadcast record is put in the object store once however often it is
-    sent, and a task's reply record comes back intact."""
+def test_records_cross_a_real_ray_task_and_leave_nothing_in_the_object_store(monkeypatch):
+    """Through Ray a task's reply record comes back intact, and once the records are dropped Ray's
+    object store is empty again (a ray.put inside the serializer once pinned every θ for good)."""
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("a Ray session is running in this process")
+    from ray._private.internal_api import memory_summary  # what `ray memory --stats-only` prints
+
     monkeypatch.setattr(ray_transport, "_registered", False)
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        assert ray_transport.use_shared_buffers(broadcast=True)
+        assert ray_transport.register_in_ray()
 
         @ray.remote
         def negate(record: ArrayRecord) -> ArrayRecord:
-            ray_transport.use_shared_buffers(broadcast=False)
+            ray_transport.register_in_ray()
             return record_from_arrays([-a for a in record_views(record)])
 
-        record = record_from_arrays(ARRAYS[:3])
-        first, second = ray.get([negate.remote(record), negate.remote(record)])
-        shared_ref = ray_transport._last_broadcast[1]
-        negate.remote(record)
-        assert ray_transport._last_broadcast[1] is shared_ref  # one put for the same record
-        _assert_same(record_views(first), [-a for a in ARRAYS[:3]])
-        _assert_same(second.to_numpy_ndarrays(), [-a for a in ARRAYS[:3]])
+        big = [np.full(1 << 20, i, np.float32) for i in range(4)]  # 16 MiB: past Ray's inline limit
+        for _ in range(3):
+            record = record_from_arrays(big)
+            first, second = ray.get([negate.remote(record), negate.remote(record)])
+            _assert_same(record_views(first), [-a for a in big])
+            _assert_same(second.to_numpy_ndarrays(), [-a for a in big])
+        del record, first, second
+        deadline = time.monotonic() + 10
+        while "0 objects" not in (summary := memory_summary(stats_only=True)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "Plasma memory usage 0 MiB, 0 objects" in summary, summary
     finally:
         ray.util.deregister_serializer(ArrayRecord)
         ray.shutdown()
-        monkeypatch.setattr(ray_transport, "_last_broadcast", None)

@@ -1,4 +1,4 @@
-"""fedmask_app.engines.flower.fast.slots (with the slot payloads of ray_transport) and simulation_wakeup."""
+"""The Flower engine's speed-only transport: shared-memory slots, their Ray payloads, the poll wake-up."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedmask_app.engines.flower.fast import ray_transport
 from fedmask_app.engines.flower.fast import slots as reply_slots
-from fedmask_app.engines.flower.fast.buffers import record_from_arrays, record_views
-from fedmask_app.engines.flower.fast.slots import SLOT_KEY, ReplySlots, slot_blocks
+from fedmask_app.engines.flower.fast.slots import SLOT_KEY, SharedSlots, slot_blocks
 from fedmask_app.engines.flower.fast.wakeup import wake_message_extractor
+from strategies.masked_fedavg import record_from_arrays, record_views
 
 LIKE = [np.zeros((3, 4), np.float32), np.zeros(5, np.float32), np.zeros(3, np.int64), np.zeros((0, 2), np.float32)]
 VALUES = [np.arange(12, dtype=np.float32).reshape(3, 4), np.linspace(-1, 1, 5, dtype=np.float32),
@@ -33,7 +33,7 @@ def slots(monkeypatch):
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)  # what a ServerApp sets before it builds Messages
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    pool = ReplySlots.for_model(LIKE, slots_needed=3)
+    pool = SharedSlots.for_model(LIKE, slots_needed=3)
     yield pool
     pool.close()
 
@@ -63,7 +63,7 @@ def test_each_message_gets_its_own_slot_and_keeps_its_content(slots):
     for before, after in zip(messages, lent, strict=True):
         assert after.metadata.dst_node_id == before.metadata.dst_node_id
         assert after.metadata.message_type == "train"
-        assert after.content["arrays"] is before.content["arrays"]  # θ is still put in Ray's store once
+        assert after.content["arrays"] is before.content["arrays"]  # θ's record (in the θ slot) is shared
         assert after.content["config"]["server-round"] == 4
     assert SLOT_KEY not in messages[0].content["config"]  # the strategy's shared record is not changed
     with pytest.raises(RuntimeError, match="take_back"):
@@ -79,14 +79,14 @@ def test_answered_slots_are_lent_again_and_unanswered_ones_retire(slots):
 
 
 def test_close_unlinks_every_slot(slots):
-    names = [m.content["config"][SLOT_KEY] for m in slots.lend(train_messages([1, 2]))]
+    names = [m.content["config"][SLOT_KEY] for m in slots.lend(train_messages([1, 2]))] + [slots.theta_slot]
     slots.close()
     assert not any(exists(n) for n in names)
 
 
 def test_no_slots_when_shared_memory_is_too_small(monkeypatch):
     monkeypatch.setattr(reply_slots.shutil, "disk_usage", lambda _: SimpleNamespace(free=64 << 20))
-    assert ReplySlots.for_model([np.zeros(10_000_000, np.float32)], slots_needed=10) is None
+    assert SharedSlots.for_model([np.zeros(10_000_000, np.float32)], slots_needed=10) is None
 
 
 def test_a_reply_in_a_slot_crosses_as_its_name_and_is_read_in_place(slots):
@@ -96,14 +96,26 @@ def test_a_reply_in_a_slot_crosses_as_its_name_and_is_read_in_place(slots):
         target[...] = value
     record = blocks.record_of(blocks.arrays)
     ray_transport.send_from_slot(record, name, blocks.spans)
-    payload = ray_transport._inline_payload(record)
+    payload = ray_transport._payload(record)
     assert payload[0] == "slot" and len(pickle.dumps(payload)) < 1024
     received = record_views(ray_transport._record_from_payload(payload))
     for got, want, written in zip(received, VALUES, blocks.arrays, strict=True):
         np.testing.assert_array_equal(got, want)
         assert got.dtype == want.dtype and not got.flags.writeable
         assert got.size == 0 or np.shares_memory(got, written)
-    assert ray_transport._inline_payload(record_from_arrays(VALUES))[0] == "inline"  # any other record
+    assert ray_transport._payload(record_from_arrays(VALUES))[0] == "inline"  # any other record
+
+
+def test_theta_crosses_in_its_slot_rewritten_each_round(slots):
+    first, spans = slots.theta_record(VALUES)
+    ray_transport.send_from_slot(first, slots.theta_slot, spans)
+    payload = ray_transport._payload(first)
+    assert payload[0] == "slot" and payload[1][0] == slots.theta_slot
+    for got, want in zip(record_views(ray_transport._record_from_payload(payload)), VALUES, strict=True):
+        np.testing.assert_array_equal(got, want)
+    second, _ = slots.theta_record([2 * v for v in VALUES])
+    for got, want in zip(record_views(second), VALUES, strict=True):
+        np.testing.assert_array_equal(got, 2 * want)
 
 
 def test_a_client_process_writes_into_the_slot_and_leaves_it_to_the_server(slots):
@@ -128,11 +140,11 @@ def test_a_real_ray_task_replies_through_a_slot(slots, monkeypatch):
     name = slots.lend(train_messages([1]))[0].content["config"][SLOT_KEY]
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        assert ray_transport.use_shared_buffers(broadcast=True)
+        assert ray_transport.register_in_ray()
 
         @ray.remote
         def negate_into_slot(record: ArrayRecord, slot: str) -> ArrayRecord:
-            ray_transport.use_shared_buffers(broadcast=False)
+            ray_transport.register_in_ray()
             blocks = slot_blocks(slot, LIKE)
             for target, value in zip(blocks.arrays, record_views(record), strict=True):
                 np.negative(value, out=target)
@@ -200,3 +212,10 @@ def test_slots_of_killed_servers_are_removed(tmp_path):
 def test_a_reply_naming_a_retired_slot_arrives_without_an_update():
     payload = ("slot", ("fm1-abcdef-0", [("0", "float32", (5,), "numpy.ndarray", (0, 148))]))
     assert len(ray_transport._record_from_payload(payload)) == 0  # then left out: "0 arrays, expected ..."
+
+
+def test_slots_rely_on_shared_memory_internals(slots):
+    """The private attributes slots.py uses (fast/__init__.py lists them) are still there."""
+    theta = reply_slots.segment(slots.theta_slot)
+    assert isinstance(theta._name, str) and theta._name.lstrip("/") == slots.theta_slot
+    assert hasattr(theta._mmap, "madvise")

@@ -1,4 +1,4 @@
-"""fedmask-report and fedmask_app.report.summary on hand-made run folders whose medians are computed by hand;
+"""fedmask-report and fedmask_app.report on hand-made run folders whose medians are computed by hand;
 the slow test makes a tiny sweep and runs notebooks/analysis.ipynb on it."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 from flwr_runner import SHARED_DATA
 
-from fedmask_app.cli import report
-from fedmask_app.report import summary
+from fedmask_app import report
+from fedmask_app.cli import report as report_cli
 
 NAN = float("nan")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -34,7 +34,7 @@ def write_run(root: Path, name: str, config: dict, rows: list[dict], tail: str =
     }
     (run_dir / "config.json").write_text(json.dumps({"run_config": run_config, "run_name": name}))
     with (run_dir / "rounds.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=summary.ROUND_COLUMNS, lineterminator="\n")
+        writer = csv.DictWriter(f, fieldnames=report.ROUND_COLUMNS, lineterminator="\n")
         writer.writeheader()
         for row in rows:
             full = {"recovery_weighted": row["recovery"] + 0.5, "mean_sq_norm": 1.0, "sq_norm_of_mean": 0.5,
@@ -72,15 +72,15 @@ def runs_root(tmp_path: Path) -> Path:
 
 
 def test_reading_results_does_not_import_torch():
-    code = "import sys, fedmask_app.report.summary, fedmask_app.cli.report; sys.exit('torch' in sys.modules)"
+    code = "import sys, fedmask_app.report, fedmask_app.cli.report; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_window_median_pct_below_1_and_incomplete_runs(runs_root):
-    rounds = summary.load_runs([runs_root])
+    rounds = report.load_runs([runs_root])
     assert sorted(rounds["run_name"].unique()) == ["bs32_seed0", "bs32_seed1", "bsfull_seed0"]
     assert rounds[rounds["run_name"] == "bsfull_seed0"]["round"].max() == 6  # the half-written row is dropped
-    runs = summary.run_summary(rounds, window=4).set_index("run_name")
+    runs = report.run_summary(rounds, window=4).set_index("run_name")
 
     seed0, seed1, full = runs.loc["bs32_seed0"], runs.loc["bs32_seed1"], runs.loc["bsfull_seed0"]
     assert seed0["complete"] and full["complete"] and not seed1["complete"]
@@ -97,8 +97,8 @@ def test_window_median_pct_below_1_and_incomplete_runs(runs_root):
 
 
 def test_cell_median_across_seeds_and_T(runs_root):
-    runs = summary.run_summary(summary.load_runs([runs_root]), window=4)
-    cells = summary.cell_summary(runs).set_index("bs")
+    runs = report.run_summary(report.load_runs([runs_root]), window=4)
+    cells = report.cell_summary(runs).set_index("bs")
     assert list(cells.index) == ["32", "full"]  # numeric batch sizes first, then full
     bs32 = cells.loc["32"]
     assert (bs32["tau"], bs32["alpha"], bs32["n_seeds"], bs32["n_runs"], bs32["n_incomplete"]) == (2, 100.0, 2, 2, 1)
@@ -111,7 +111,7 @@ def test_cell_median_across_seeds_and_T(runs_root):
 def test_window_longer_than_run_and_run_without_rounds(tmp_path):
     write_run(tmp_path, "a", {"num-rounds": 3}, rows([2, 4, 6]))
     write_run(tmp_path, "b", {"num-rounds": 3, "seed": 1}, [])
-    runs = summary.run_summary(summary.load_runs([tmp_path]), window=50).set_index("run_name")
+    runs = report.run_summary(report.load_runs([tmp_path]), window=50).set_index("run_name")
     assert runs.loc["a", "window_start"] == 1 and runs.loc["a", "recovery"] == pytest.approx(4.0)
     assert runs.loc["b", "rounds_completed"] == 0 and not runs.loc["b", "complete"]
     assert math.isnan(runs.loc["b", "recovery"])
@@ -121,7 +121,7 @@ def test_cells_split_on_defining_keys_only(tmp_path):
     write_run(tmp_path / "x", "r0", {"seed": 0, "device": "cpu"}, rows([1, 2, 3, 4, 5, 6]))
     write_run(tmp_path / "y", "r1", {"seed": 1, "device": "cuda"}, rows([1, 2, 3, 4, 5, 8]))
     write_run(tmp_path / "y", "r2", {"seed": 0, "mask-mode": "synchronized"}, rows([1, 2, 3, 4, 5, 6]))
-    cells = summary.cell_summary(summary.run_summary(summary.load_runs([tmp_path]), window=2))
+    cells = report.cell_summary(report.run_summary(report.load_runs([tmp_path]), window=2))
     assert sorted(cells["n_seeds"]) == [1, 2]
     assert "mask-mode" in cells.columns  # the key that differs is shown
     assert set(cells["cell"]) == {"bs=32 τ=2 α=100 mask-mode=none", "bs=32 τ=2 α=100 mask-mode=synchronized"}
@@ -132,14 +132,14 @@ def test_decomposition_curve_is_the_recovery_identity():
     # with the server-side estimators, (K r + 1)/(r + 1) = K B / A = 1/ΔS exactly (all K clients reporting)
     k, a, b = 10, 2.0, 0.7
     sigma2 = (a - b) / (1 - 1 / k)
-    assert summary.decomposition_curve((a - sigma2) / sigma2, k) == pytest.approx(k * b / a)
+    assert report.decomposition_curve((a - sigma2) / sigma2, k) == pytest.approx(k * b / a)
 
 
 def test_report_cli_writes_summary_figure_and_ratios(runs_root, tmp_path, capsys):
     reference = tmp_path / "paper.csv"
     reference.write_text("bs,tau,alpha,recovery,test_accuracy\n32,2,100,1.19,0.5\nfull,1,100,8.96,0.3\n")
     out = tmp_path / "report"
-    assert report.main([str(runs_root), "--window", "4", "--out", str(out), "--reference", str(reference)]) == 0
+    assert report_cli.main([str(runs_root), "--window", "4", "--out", str(out), "--reference", str(reference)]) == 0
     captured = capsys.readouterr()
     assert "incomplete run" in captured.err and "bs32_seed1" in captured.err
     assert "match no cell" in captured.err  # full, tau=1 is not in the results
@@ -157,32 +157,32 @@ def test_report_cli_writes_summary_figure_and_ratios(runs_root, tmp_path, capsys
 
 
 def test_report_default_out_is_first_dir(runs_root, capsys):
-    assert report.main([str(runs_root), "--window", "2"]) == 0
+    assert report_cli.main([str(runs_root), "--window", "2"]) == 0
     assert (runs_root / "summary.csv").is_file() and (runs_root / "fig1.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_report_errors(tmp_path, runs_root, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert report.main([str(empty)]) == 2
+    assert report_cli.main([str(empty)]) == 2
     assert "no runs" in capsys.readouterr().err
 
-    assert report.main([str(tmp_path / "missing")]) == 2
+    assert report_cli.main([str(tmp_path / "missing")]) == 2
     assert "is not a folder" in capsys.readouterr().err
 
     bad = tmp_path / "bad.csv"
     bad.write_text("batch,tau,recovery\n32,2,1.19\n")
-    assert report.main([str(runs_root), "--reference", str(bad)]) == 2
+    assert report_cli.main([str(runs_root), "--reference", str(bad)]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "bs" in err and "alpha" in err
 
     no_metric = tmp_path / "no_metric.csv"
     no_metric.write_text("bs,tau,alpha,accuracy\n32,2,100,0.5\n")
-    assert report.main([str(runs_root), "--reference", str(no_metric)]) == 2
+    assert report_cli.main([str(runs_root), "--reference", str(no_metric)]) == 2
     assert "none of the metric columns" in capsys.readouterr().err
 
     with pytest.raises(SystemExit):
-        report.main([str(runs_root), "--window", "0"])
+        report_cli.main([str(runs_root), "--window", "0"])
 
 
 @pytest.mark.slow

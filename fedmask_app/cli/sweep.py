@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fedmask_app.cli.run import run_with_flower
+from fedmask_app.engines.flower.superlink import run_with_flower
 from fedmask_app.run.config import ConfigError, RunConfig, parse_overrides, run_config_from_values
 from fedmask_app.run.results import is_complete
 from fedmask_app.sweep.grid import GridRun, load_grid

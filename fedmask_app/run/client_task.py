@@ -1,4 +1,4 @@
-"""The task wiring shared by both engines: one client's round, and the server's evaluation.
+"""One client's round as both engines run it: its shard, its batch order and mask seeds, local training.
 
 A ``ClientTask`` is built once per process (model, data set, partition) and reused for every
 round and every partition that process serves; weights are loaded into the model in place.
@@ -7,19 +7,17 @@ round and every partition that process serves; weights are loaded into the model
 from __future__ import annotations
 
 import functools
-import math
-import os
 import time
 
 import numpy as np
 import torch
-from torch import nn
 
-from clients.masking import block_mask
-from clients.seeds import batch_order_seed, independent_mask_seed
-from clients.training import LocalTraining, load_parameters, local_update
+from clients.masking import client_block_mask
+from clients.seeds import batch_order_seed
+from clients.training import LocalTraining, local_update
 from fedmask_app.run.config import FaultInjection, RunConfig
 from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
+from fedmask_app.run.device import pick_device, set_threads
 from fedmask_app.run.model import build_model
 from fedmask_app.run.partition import dirichlet_partition, identical_shards
 from strategies.aggregate import ClientReply
@@ -27,21 +25,6 @@ from strategies.aggregate import ClientReply
 
 class InjectedFault(RuntimeError):
     """A failure a test asked for through ``inject-fault``."""
-
-
-def pick_device(cfg: RunConfig) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("device = 'cuda' but torch sees no CUDA device")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def set_threads(cfg: RunConfig) -> None:
-    """torch threads = ``threads``, or the CPUs the process was given (Ray sets OMP_NUM_THREADS)."""
-    threads = cfg.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
 
 
 def client_shards(cfg: RunConfig, labels: np.ndarray) -> list[np.ndarray]:
@@ -57,16 +40,8 @@ def local_training(cfg: RunConfig) -> LocalTraining:
 
 
 def client_mask(cfg: RunConfig, server_round: int, partition_id: int, sync_seed: int | None, num_blocks: int):
-    """The block mask this client draws, or None when masking is off."""
-    if cfg.mask_mode == "none":
-        return None
-    if cfg.mask_mode == "synchronized":
-        if sync_seed is None:
-            raise ValueError("synchronized masking needs the server's mask seed in the train config")
-        seed = sync_seed
-    else:
-        seed = independent_mask_seed(cfg.seed, server_round, partition_id)
-    return block_mask(seed, num_blocks, cfg.keep_prob).tolist()
+    """The block mask this client draws, or None when masking is off (``client_block_mask``)."""
+    return client_block_mask(cfg.mask_mode, cfg.keep_prob, num_blocks, cfg.seed, server_round, partition_id, sync_seed)
 
 
 class ClientTask:
@@ -150,37 +125,3 @@ def _corrupt(fault: FaultInjection, update: list[np.ndarray]) -> list[np.ndarray
 def cached_client_task(cfg: RunConfig) -> ClientTask:
     """One ClientTask per process and run configuration."""
     return ClientTask(cfg)
-
-
-class Evaluator:
-    """Test-set loss and accuracy of a global model (the first ``test-subset`` images, or all)."""
-
-    def __init__(self, cfg: RunConfig):
-        set_threads(cfg)
-        self.cfg = cfg
-        self.device = pick_device(cfg)
-        self.model = build_model(cfg.model).to(self.device)
-        data = load_cifar10(resolve_data_dir(cfg.data_dir))
-        n = cfg.test_subset or len(data.y_test)
-        self.images = normalize(data.x_test[:n]).to(self.device)
-        self.labels = torch.from_numpy(data.y_test[:n]).to(self.device)
-
-    def due(self, server_round: int) -> bool:
-        every = self.cfg.eval_every
-        return every > 0 and (server_round % every == 0 or server_round == self.cfg.num_rounds)
-
-    @torch.no_grad()
-    def __call__(self, params: list[np.ndarray]) -> tuple[float, float]:
-        """(test loss, test accuracy)."""
-        load_parameters(self.model, params)
-        self.model.eval()
-        loss_sum, correct = 0.0, 0
-        for start in range(0, len(self.labels), self.cfg.eval_batch_size):
-            x = self.images[start : start + self.cfg.eval_batch_size]
-            y = self.labels[start : start + self.cfg.eval_batch_size]
-            logits = self.model(x)
-            loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
-        n = len(self.labels)
-        loss = loss_sum / n
-        return (loss if math.isfinite(loss) else float("nan")), correct / n

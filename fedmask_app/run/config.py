@@ -66,6 +66,7 @@ class RunConfig:
     device: str
     bf16: bool
     threads: int
+    fast_simulation: bool
     min_clients: int
     round_timeout: float
     checkpoint_every: int

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fedmask_app.run.client_task import Evaluator
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.data import CONTENT_SHA256
+from fedmask_app.run.evaluation import Evaluator
 from fedmask_app.run.model import initial_parameters
 from fedmask_app.run.results import RunResults, run_metadata
 from strategies.round import RoundFailed, RoundOutcome

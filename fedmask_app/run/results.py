@@ -35,6 +35,10 @@ class Checkpoint:
     params: list[np.ndarray]
 
 
+# Keys that do not change a run's numbers: a resume may differ in them.
+TRANSPORT_KEYS = {"resume", "fast-simulation"}
+
+
 def _cell(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return ""
@@ -119,7 +123,7 @@ class RunResults:
         if not self.config_path.is_file():
             return
         before = json.loads(self.config_path.read_text()).get("run_config", {})
-        keys = (set(before) | set(run_config)) - {"resume"}
+        keys = (set(before) | set(run_config)) - TRANSPORT_KEYS
         changed = sorted(k for k in keys if before.get(k) != run_config.get(k))
         if changed:
             diffs = ", ".join(f"{k}: {before.get(k)!r} -> {run_config.get(k)!r}" for k in changed)

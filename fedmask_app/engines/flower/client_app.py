@@ -7,21 +7,16 @@ shard file written by ``fedmask-export-shards``) on a real device.
 from __future__ import annotations
 
 import functools
-import logging
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedmask_app.deploy.shards import check_shard_matches, load_shard_file
-from fedmask_app.engines.flower.fast.buffers import NpyBlocks, record_views
-from fedmask_app.engines.flower.fast.ray_transport import send_from_slot, use_shared_buffers
-from fedmask_app.engines.flower.fast.slots import SLOT_KEY, slot_blocks
 from fedmask_app.run.client_task import ClientTask, cached_client_task
 from fedmask_app.run.config import RunConfig
-from strategies.masked_fedavg import message_from_reply
+from strategies.masked_fedavg import message_from_reply, record_views
 
 app = ClientApp()
-log = logging.getLogger("fedmask")
 
 
 @functools.lru_cache(maxsize=4)
@@ -51,24 +46,6 @@ def _client(context: Context) -> tuple[RunConfig, int, ClientTask]:
     return cfg, int(node["partition-id"]), cached_client_task(cfg)
 
 
-def _parameters(task: ClientTask) -> list:
-    return [p.detach().cpu().numpy() for p in task.model.parameters()]
-
-
-@functools.lru_cache(maxsize=2)
-def _reply_blocks(task: ClientTask) -> NpyBlocks:
-    return NpyBlocks(_parameters(task))
-
-
-@functools.lru_cache(maxsize=64)
-def _slot_blocks(task: ClientTask, slot: str) -> NpyBlocks | None:
-    try:
-        return slot_blocks(slot, _parameters(task))
-    except (OSError, ValueError) as exc:  # gone (retired) or too small: reply through Ray instead
-        log.warning("cannot write the update into shared-memory slot %s (%s)", slot, exc)
-        return None
-
-
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     _, partition_id, _ = _client(context)
@@ -77,19 +54,17 @@ def query(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    through_ray = use_shared_buffers(broadcast=False)
-    _, partition_id, task = _client(context)
+    cfg, partition_id, task = _client(context)
     config = msg.content["config"]
     sync_seed = int(config["mask-seed"]) if "mask-seed" in config else None
     params = record_views(msg.content["arrays"])
-    # Through Ray, Δ_k is written straight into the slot the server lent this message (the reply
-    # then names the slot), or else into this process's reply buffers, which Ray copies into its
-    # object store as the call returns.
-    slot = str(config[SLOT_KEY]) if through_ray and SLOT_KEY in config else None
-    in_slot = _slot_blocks(task, slot) if slot else None
-    blocks = in_slot or (_reply_blocks(task) if through_ray else None)
-    reply = task.train(partition_id, int(config["server-round"]), params, sync_seed, blocks and blocks.arrays)
-    update = blocks.record_of(reply.update) if blocks else None  # None when a fault replaced arrays
-    if in_slot is not None and update is not None:
-        send_from_slot(update, slot, in_slot.spans)
+    # The reply path, chosen here: in a Ray simulation with fast-simulation on, Δ_k is written
+    # straight into the slot the server lent (or reusable reply buffers); else a new record.
+    buffers = None
+    if cfg.fast_simulation:
+        from fedmask_app.engines.flower.fast.transport import ReplyBuffers
+
+        buffers = ReplyBuffers.in_ray(config, params)
+    reply = task.train(partition_id, int(config["server-round"]), params, sync_seed, buffers and buffers.arrays)
+    update = buffers.record(reply.update) if buffers else None  # None: message_from_reply builds one
     return Message(content=message_from_reply(reply, update), reply_to=msg)

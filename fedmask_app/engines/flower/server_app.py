@@ -1,86 +1,80 @@
-"""Flower ServerApp: the shared round loop, with rounds carried out by MaskedFedAvg over Messages."""
+"""Flower ServerApp: the shared round loop (run/loop.py), each round carried out by MaskedFedAvg
+over Messages."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid, ServerApp
-from flwr.superlink.grid import InMemoryGrid
 
-from fedmask_app.engines.flower.fast.buffers import record_from_arrays
-from fedmask_app.engines.flower.fast.ray_transport import use_shared_buffers
-from fedmask_app.engines.flower.fast.slots import ReplySlots
-from fedmask_app.engines.flower.fast.wakeup import wake_message_extractor
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.loop import run_rounds
-from strategies.masked_fedavg import MaskedFedAvg
+from strategies.masked_fedavg import MaskedFedAvg, record_from_arrays
 from strategies.round import RoundOutcome
 
 ENGINE = "flower"
 
 app = ServerApp()
 
-SIMULATION_POLL_SECONDS = 0.01
 
+class PlainTransport:
+    """Messages through Flower's public Grid API alone."""
 
-def send_and_receive(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
-    """``grid.send_and_receive``, but an in-process simulation grid is polled every 10 ms.
+    def global_record(self, params: Sequence[np.ndarray]) -> ArrayRecord:
+        return record_from_arrays(params)
 
-    InMemoryGrid sleeps 100 ms between polls, so the round's last reply waited 50 ms on average
-    for the server to notice it. Deployments keep Flower's own polling.
-    """
-    if not isinstance(grid, InMemoryGrid):
+    def exchange(self, grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
         return list(grid.send_and_receive(messages, timeout=timeout))
-    pending = set(grid.push_messages(messages))
-    wake_message_extractor()
-    deadline = time.monotonic() + timeout
-    replies: list[Message] = []
-    while pending:
-        arrived = list(grid.pull_messages(pending))
-        replies.extend(arrived)
-        pending.difference_update(m.metadata.reply_to_message_id for m in arrived)
-        if pending:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(SIMULATION_POLL_SECONDS)
-    return replies
+
+    def end_round(self, replies: Sequence[Message]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_transport(cfg: RunConfig, grid: Grid):
+    """The one place the transport is chosen: the speed-only one (fast/) in an in-process Ray
+    simulation when ``fast-simulation`` is on, else Flower's public API alone."""
+    if cfg.fast_simulation:
+        from fedmask_app.engines.flower.fast.transport import FastServerTransport
+
+        if FastServerTransport.applies_to(grid):
+            return FastServerTransport(cfg.clients_per_round)
+    return PlainTransport()
+
+
+class FlowerRounds:
+    """``train_round`` for the shared loop: one round's messages out, replies in, the outcome back."""
+
+    def __init__(self, cfg: RunConfig, grid: Grid, transport: PlainTransport):
+        self.grid = grid
+        self.transport = transport
+        self.round_timeout = cfg.round_timeout
+        self.strategy = MaskedFedAvg(
+            seed=cfg.seed, num_clients=cfg.num_clients, clients_per_round=cfg.clients_per_round,
+            mask_mode=cfg.mask_mode, keep_prob=cfg.keep_prob, aggregation=cfg.aggregation,
+            min_clients=cfg.min_clients, round_timeout=cfg.round_timeout,
+        )
+
+    def __call__(self, server_round: int, params: list[np.ndarray]) -> RoundOutcome:
+        arrays = self.transport.global_record(params)
+        messages = self.strategy.configure_train(server_round, arrays, ConfigRecord(), self.grid)
+        replies: list[Message] = []
+        try:
+            replies = self.transport.exchange(self.grid, messages, self.round_timeout)
+            return self.strategy.round_outcome(server_round, replies)
+        finally:
+            self.transport.end_round(replies)
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = RunConfig.from_mapping(context.run_config)
-    strategy = MaskedFedAvg(cfg)
-    arrays: ArrayRecord | None = None
-    slots: ReplySlots | None = None
-    slots_tried = False
-
-    def train_round(server_round: int, params: list[np.ndarray]) -> RoundOutcome:
-        nonlocal arrays, slots, slots_tried
-        through_ray = use_shared_buffers(broadcast=True)  # Ray may start after the first round began
-        if arrays is None:  # first round of this process (fresh or resumed)
-            arrays = record_from_arrays(params)
-        if through_ray and not slots_tried and isinstance(grid, InMemoryGrid):
-            slots_tried = True
-            slots = ReplySlots.for_model(params, cfg.clients_per_round)
-            if slots is not None:
-                print(f"[fedmask] clients write their updates into shared-memory slots of {slots.nbytes >> 20} MiB")
-        messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
-        if slots is not None:
-            messages = slots.lend(messages)
-        replies: list[Message] = []
-        try:
-            replies = send_and_receive(grid, messages, timeout=cfg.round_timeout)
-            arrays, _ = strategy.aggregate_train(server_round, replies)
-        finally:  # also when the round failed: slots without a reply retire
-            if slots is not None:
-                slots.take_back(replies)
-        return strategy.last_outcome
-
+    transport = open_transport(cfg, grid)
     try:
-        run_rounds(cfg, ENGINE, train_round)
+        run_rounds(cfg, ENGINE, FlowerRounds(cfg, grid, transport))
     finally:
-        if slots is not None:
-            slots.close()
+        transport.close()

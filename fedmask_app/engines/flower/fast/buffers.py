@@ -1,47 +1,29 @@
-"""Model arrays to and from Flower ArrayRecords with one copy each way at most.
+"""Flower Arrays over buffers that are not bytes: shared memory, Ray's object store, reply buffers.
 
-The bytes are Flower's own layout (an .npy file per array, ``stype = "numpy.ndarray"``), so any
-Flower code reads these records with ``Array.numpy()``; we just skip its extra copies:
-``ArrayRecord.from_numpy_ndarrays`` writes through a growing BytesIO and ``to_numpy_ndarrays``
-copies every array out of its bytes, where ``record_views`` reads them in place.
+The bytes keep Flower's .npy layout (``strategies.masked_fedavg``), so any reader of the record
+sees ordinary Arrays; only their ``data`` is a memoryview instead of a bytes copy. Such Arrays
+only travel through Ray (``ray_transport``): gRPC insists on bytes.
 """
 
 from __future__ import annotations
 
-import functools
-import io
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
-from numpy.lib import format as npy
 
-
-def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
-    """The .npy 1.0 header of a C-ordered array."""
-    header = io.BytesIO()
-    npy.write_array_header_1_0(header, {"descr": npy.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
-    return header.getvalue()
-
-
-def array_from_numpy(value: np.ndarray) -> Array:
-    """An Array holding ``value`` as .npy bytes, copied once into their final place."""
-    value = np.asarray(value)
-    if not value.flags.c_contiguous:
-        value = value.copy(order="C")
-    data = b"".join((_npy_header(value.dtype, value.shape), value.reshape(-1).view(np.uint8)))
-    return Array(dtype=str(value.dtype), shape=tuple(value.shape), stype="numpy.ndarray", data=data)
+from strategies.masked_fedavg import npy_header
 
 
 def array_over_buffer(dtype: str, shape: tuple[int, ...], stype: str, buffer) -> Array:
     """An Array whose ``data`` is a memoryview on ``buffer`` (.npy layout), not a bytes copy.
 
-    Everything that reads an Array's bytes (``Array.numpy``, ``array_view``, hashing) accepts a
-    memoryview; gRPC does not, so such Arrays only travel through Ray (fedmask_app/ray_transport.py).
+    Private part relied on: ``Array.__new__`` + ``__dict__`` (``Array()`` insists on bytes, which
+    would cost a copy). tests/test_records.py::test_array_over_buffer_reads_as_flowers_array fails
+    when a Flower upgrade changes Array's attributes.
     """
-    array = Array.__new__(Array)  # Array() insists on bytes, which would cost a copy
+    array = Array.__new__(Array)
     array.__dict__.update(dtype=dtype, shape=tuple(shape), stype=stype, data=memoryview(buffer))
     return array
 
@@ -62,7 +44,7 @@ def npy_spans(like: Sequence[np.ndarray]) -> list[tuple[int, int]]:
     spans, stop = [], 0
     for value in like:
         start = -(-stop // NPY_ALIGN) * NPY_ALIGN
-        stop = start + len(_npy_header(value.dtype, value.shape)) + value.nbytes
+        stop = start + len(npy_header(value.dtype, value.shape)) + value.nbytes
         spans.append((start, stop))
     return spans
 
@@ -74,14 +56,13 @@ def npy_nbytes(like: Sequence[np.ndarray]) -> int:
 
 
 class NpyBlocks:
-    """One reusable .npy-laid-out buffer per model block, for writing a reply in place.
+    """One .npy-laid-out buffer per model block, for writing a record's arrays in place.
 
     The blocks lie one after another (``spans``) in ``buffer`` (any writable buffer of at least
-    ``spans[-1][1]`` bytes, e.g. a shared-memory segment) or in a new one. ``arrays`` are writable
-    views of the blocks' data parts; ``record_of(update)`` is an ArrayRecord over the blocks when
-    ``update`` is exactly those views (no copy), else None. Such a record is valid until the
-    blocks are next written: a Ray actor's reply is copied into the object store when its call
-    returns, before the next call.
+    ``npy_nbytes(like)`` bytes, e.g. a shared-memory segment) or in a new one. ``arrays`` are
+    writable views of the blocks' data parts; ``record_of(update)`` is an ArrayRecord over the
+    blocks when ``update`` is exactly those views (no copy), else None. Such a record is valid
+    until the blocks are next written.
     """
 
     def __init__(self, like: Sequence[np.ndarray], buffer=None):
@@ -97,7 +78,7 @@ class NpyBlocks:
         self._buffers: list[np.ndarray] = []
         self.arrays: list[np.ndarray] = []
         for value, (start, stop) in zip(like, self.spans, strict=True):
-            header = _npy_header(value.dtype, value.shape)
+            header = npy_header(value.dtype, value.shape)
             block = memory[start:stop]
             block[: len(header)] = np.frombuffer(header, dtype=np.uint8)
             self._buffers.append(block)
@@ -111,40 +92,10 @@ class NpyBlocks:
             for i, (a, buffer) in enumerate(zip(self.arrays, self._buffers, strict=True))
         )
 
-
-def record_from_arrays(arrays: Sequence[np.ndarray]) -> ArrayRecord:
-    """Keys "0".."B-1" in order, as ``ArrayRecord.from_numpy_ndarrays`` names them."""
-    return ArrayRecord({str(i): array_from_numpy(a) for i, a in enumerate(arrays)})
-
-
-@functools.lru_cache(maxsize=1024)
-def _parse_header(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """(shape, fortran_order, dtype) of an .npy header; a model's headers repeat every round."""
-    stream = io.BytesIO(header)
-    version = npy.read_magic(stream)
-    read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
-    return read_header(stream)
-
-
-def array_view(array: Array) -> np.ndarray:
-    """An ndarray over the Array's .npy bytes, without copying them (read-only over bytes)."""
-    if array.stype != "numpy.ndarray":
-        raise TypeError(f"array of stype {array.stype!r}, expected 'numpy.ndarray'")
-    data = array.data
-    version = data[6:8]
-    if data[:6] != npy.MAGIC_PREFIX or version not in (b"\x01\x00", b"\x02\x00"):
-        return array.numpy()  # not .npy 1.0/2.0 (3.0 only differs for non-ASCII field names)
-    if version == b"\x01\x00":
-        offset = 10 + int.from_bytes(data[8:10], "little")
-    else:
-        offset = 12 + int.from_bytes(data[8:12], "little")
-    shape, fortran_order, dtype = _parse_header(bytes(data[:offset]))
-    if dtype.hasobject:
-        raise TypeError("array holds Python objects, which are never unpickled")
-    flat = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset)
-    return flat.reshape(shape, order="F" if fortran_order else "C")
-
-
-def record_views(record: ArrayRecord) -> list[np.ndarray]:
-    """The record's arrays in key order, read-only views over its bytes (see ``array_view``)."""
-    return [array_view(a) for a in record.values()]
+    def record_holding(self, values: Sequence[np.ndarray]) -> ArrayRecord:
+        """Copy ``values`` into the blocks and return the record over them."""
+        for target, value in zip(self.arrays, values, strict=True):
+            np.copyto(target, value)
+        record = self.record_of(self.arrays)
+        assert record is not None
+        return record

@@ -1,20 +1,24 @@
-"""Shared-memory slots that the clients of a Ray simulation write their updates into.
+"""Shared-memory slots that θ and the clients' updates cross a Ray simulation in.
 
-Through Ray, a ResNet-18 reply (45 MB) takes 20–30 ms from the actor's return to the server on
-the 2-core machine (Ray copies it into its object store, then the server maps it), and Flower's
-Ray backend gives that actor its next message only afterwards: 4 such waits a round per actor.
-Instead the server lends every train message a slot, a shared-memory segment laid out like
-``NpyBlocks``; the client writes Δ_k there, and its reply's ArrayRecord crosses Ray as the slot's
-name (``ray_transport``). The server reads Δ_k in place.
+Through Ray, a ResNet-18 record (45 MB) is copied into Ray's object store and mapped again on the
+other side, for every message: 20–30 ms per reply on the 2-core machine, and Flower's Ray backend
+hands that actor its next message only afterwards. Instead the server keeps shared-memory
+segments laid out like ``NpyBlocks``:
 
-A slot is lent to one message from push until the round is aggregated. When its message got a
-reply, the client has finished writing and the slot is lent again next round; when it got none
-(timed out: the client may still write), the slot is retired and never lent again.
-Deployments (gRPC) never see a slot: only the in-process simulation grid lends them.
+- one θ slot, which it writes the round's global model into once; every train message's arrays
+  then cross Ray as that slot's name, and clients read θ in place;
+- one reply slot lent to each train message (its name in the config, ``SLOT_KEY``); the client
+  writes Δ_k there and its reply crosses Ray as the slot's name. The server reads Δ_k in place.
+
+A reply slot is lent from push until the round is aggregated. When its message got a reply, the
+client has finished writing and the slot is lent again next round; when it got none (timed out:
+the client may still write), the slot retires and is never lent again. A late client may still
+read the θ slot while the next round's θ is written into it: its reply is dropped either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -26,35 +30,46 @@ from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from fedmask_app.engines.flower.fast.buffers import NpyBlocks, npy_nbytes
 
 log = logging.getLogger("fedmask")
 
 SLOT_KEY = "reply-slot"  # train config key: the name of the segment to write Δ_k into
-SLOT_NAME = re.compile(r"fm(\d+)-[0-9a-f]{6}-\d+")  # fm<server pid>-<random>-<n>: short, macOS allows 31 chars
-
-_segments: dict[str, shared_memory.SharedMemory] = {}  # the segments this process created or attached
+SLOT_NAME = re.compile(r"fm(\d+)-[0-9a-f]{6}-(\d+|theta)")  # fm<server pid>-<random>-<n>: macOS allows 31 chars
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module does not name it
 
 
-def _populate(memory: shared_memory.SharedMemory) -> None:
-    """Map (and allocate) every page now, in one call: on the 2-core development machine, writing a
-    new 45 MB segment page by page took about 100 ms of page faults, populating it about 25 ms.
-    Best effort."""
+class Segment(shared_memory.SharedMemory):
+    """A SharedMemory that stays quiet when it is collected while views of it are alive.
+
+    ``SharedMemory.__del__`` closes the mapping and, when a view (a record still held somewhere)
+    exports it, prints ``BufferError: cannot close exported pointers exist``; the mapping goes
+    with the process either way."""
+
+    def __del__(self) -> None:
+        with contextlib.suppress(BufferError):
+            self.close()
+
+
+_segments: dict[str, Segment] = {}  # the segments this process created or attached
+
+
+def _populate(memory: Segment) -> None:
+    """Map (and allocate) every page now, in one call: writing a new 45 MB segment page by page
+    took about 100 ms of page faults on the 2-core machine, populating it about 25 ms.
+    Private part relied on: ``SharedMemory._mmap`` (best effort: without it, pages fault in)."""
     if sys.platform == "linux":
-        try:
+        with contextlib.suppress(AttributeError, OSError):  # an older kernel, or another layout
             memory._mmap.madvise(MADV_POPULATE_WRITE)
-        except (AttributeError, OSError):  # an older kernel, or another SharedMemory layout
-            pass
 
 
-def segment(name: str) -> shared_memory.SharedMemory:
+def segment(name: str) -> Segment:
     """The named segment, attached once per process (or the one this process created)."""
     attached = _segments.get(name)
     if attached is None:
-        attached = shared_memory.SharedMemory(name=name)
+        attached = Segment(name=name)
         # Python < 3.13 registers an attached POSIX segment with this process's resource
         # tracker, which would unlink it when this process exits, from under the server.
         if os.name == "posix":
@@ -65,7 +80,7 @@ def segment(name: str) -> shared_memory.SharedMemory:
 
 
 def slot_blocks(name: str, like: Sequence[np.ndarray]) -> NpyBlocks:
-    """Client side: ``NpyBlocks`` shaped like ``like`` over the named slot."""
+    """``NpyBlocks`` shaped like ``like`` over the named slot."""
     return NpyBlocks(like, buffer=segment(name).buf)
 
 
@@ -91,39 +106,49 @@ def remove_stale_slots(shm: Path = Path("/dev/shm")) -> int:
     return len(stale)
 
 
-class ReplySlots:
-    """Server side: lends each train message a slot and takes the slots back after the round."""
+class SharedSlots:
+    """Server side: the θ slot, and reply slots lent to each train message and taken back after
+    the round."""
 
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
+    def __init__(self, like: Sequence[np.ndarray]):
+        self.like = [np.asarray(p) for p in like]
+        self.nbytes = npy_nbytes(self.like)
         self._prefix = f"fm{os.getpid()}-{secrets.token_hex(3)}-"
         self._free: list[str] = []
         self._lent: dict[int, str] = {}  # destination node id -> slot
         self._owned: list[str] = []
         self._created = 0
+        self.theta_slot = self._new_slot("theta")
+        self._theta = slot_blocks(self.theta_slot, self.like)
 
     @classmethod
-    def for_model(cls, params: Sequence[np.ndarray], slots_needed: int) -> ReplySlots | None:
-        """Slots sized for ``params``, or None when shared memory cannot hold ``slots_needed``
-        of them with room to spare (a small /dev/shm, as in Docker's default 64 MB)."""
+    def for_model(cls, params: Sequence[np.ndarray], slots_needed: int) -> SharedSlots | None:
+        """Slots sized for ``params``, or None when shared memory cannot hold θ and
+        ``slots_needed`` replies with room to spare (a small /dev/shm, as in Docker's 64 MB)."""
         removed = remove_stale_slots()
         if removed:
             log.warning("removed %d reply slots left in /dev/shm by a server that was killed", removed)
         nbytes = npy_nbytes([np.asarray(p) for p in params])
-        if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free < 1.5 * slots_needed * nbytes:
-            log.warning("/dev/shm has no room for %d replies of %d MiB: replies travel through Ray's object "
-                        "store instead", slots_needed, nbytes >> 20)
+        if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free < 1.5 * (slots_needed + 1) * nbytes:
+            log.warning("/dev/shm has no room for θ and %d replies of %d MiB: records travel through Ray's "
+                        "object store instead", slots_needed, nbytes >> 20)
             return None
-        return cls(nbytes)
+        return cls(params)
 
-    def _new_slot(self) -> str:
-        name = f"{self._prefix}{self._created}"
-        self._created += 1
-        created = shared_memory.SharedMemory(name=name, create=True, size=self.nbytes)
+    def _new_slot(self, suffix: str | None = None) -> str:
+        if suffix is None:
+            suffix = str(self._created)
+            self._created += 1
+        name = f"{self._prefix}{suffix}"
+        created = Segment(name=name, create=True, size=self.nbytes)
         _populate(created)
         _segments[name] = created
         self._owned.append(name)
         return name
+
+    def theta_record(self, params: Sequence[np.ndarray]) -> tuple[ArrayRecord, list[tuple[int, int]]]:
+        """θ written into the θ slot; the record over it and its blocks' places in the slot."""
+        return self._theta.record_holding(params), self._theta.spans
 
     def lend(self, messages: Iterable[Message]) -> list[Message]:
         """The messages again, each config naming the slot its client writes Δ_k into."""
@@ -151,18 +176,15 @@ class ReplySlots:
 
     def _release(self, name: str) -> None:
         slot = _segments.pop(name)
-        try:
+        with contextlib.suppress(BufferError):  # a view of it is still alive; the mapping goes with it
             slot.close()
-        except BufferError:  # a view of it is still alive somewhere; the mapping goes with the process
-            pass
-        try:
+        with contextlib.suppress(FileNotFoundError):  # removed from outside (e.g. /dev/shm cleaned by hand)
             slot.unlink()
-        except FileNotFoundError:  # removed from outside (e.g. /dev/shm cleaned by hand)
-            pass
         self._owned.remove(name)
 
     def close(self) -> None:
         """Unlink every slot (a client still holding one keeps its mapping until it exits)."""
+        self._theta = None
         for name in list(self._owned):
             self._release(name)
         self._free.clear()

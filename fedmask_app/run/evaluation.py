@@ -1,0 +1,49 @@
+"""The server's evaluation of the global model on the test set."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from clients.training import load_parameters
+from fedmask_app.run.config import RunConfig
+from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
+from fedmask_app.run.device import pick_device, set_threads
+from fedmask_app.run.model import build_model
+
+
+class Evaluator:
+    """Test-set loss and accuracy of a global model (the first ``test-subset`` images, or all)."""
+
+    def __init__(self, cfg: RunConfig):
+        set_threads(cfg)
+        self.cfg = cfg
+        self.device = pick_device(cfg)
+        self.model = build_model(cfg.model).to(self.device)
+        data = load_cifar10(resolve_data_dir(cfg.data_dir))
+        n = cfg.test_subset or len(data.y_test)
+        self.images = normalize(data.x_test[:n]).to(self.device)
+        self.labels = torch.from_numpy(data.y_test[:n]).to(self.device)
+
+    def due(self, server_round: int) -> bool:
+        every = self.cfg.eval_every
+        return every > 0 and (server_round % every == 0 or server_round == self.cfg.num_rounds)
+
+    @torch.no_grad()
+    def __call__(self, params: list[np.ndarray]) -> tuple[float, float]:
+        """(test loss, test accuracy)."""
+        load_parameters(self.model, params)
+        self.model.eval()
+        loss_sum, correct = 0.0, 0
+        for start in range(0, len(self.labels), self.cfg.eval_batch_size):
+            x = self.images[start : start + self.cfg.eval_batch_size]
+            y = self.labels[start : start + self.cfg.eval_batch_size]
+            logits = self.model(x)
+            loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+        n = len(self.labels)
+        loss = loss_sum / n
+        return (loss if math.isfinite(loss) else float("nan")), correct / n
