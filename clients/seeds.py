@@ -11,6 +11,8 @@ BATCH_ORDER = 2
 MASK = 3
 SYNC_MASK = 4
 SHARED_BATCH_ORDER = 5  # the identical-shards control: one order for every client
+PROBE = 6  # the probe batch of the server's curvature and flatness measurements (once per run)
+MEASUREMENT = 7  # the measurements' Rademacher signs and mask draws, per round
 
 
 def derive_seed(*key: int) -> int:

@@ -21,6 +21,7 @@ class RoundFailed(RuntimeError):
 class RoundOutcome:
     result: CohortResult
     failures: list[str] = field(default_factory=list)  # one reason per client left out
+    replies: list[ClientReply] = field(default_factory=list)  # the aggregated ones, in partition-id order
 
     @property
     def num_failures(self) -> int:
@@ -66,7 +67,7 @@ def finish_round(
             failures.extend(f"partition {pid}: update holds NaN or Inf" for pid in exc.partition_ids)
             good = [r for r in good if r.partition_id not in exc.partition_ids]
     _log(server_round, failures)
-    return RoundOutcome(result, failures)
+    return RoundOutcome(result, failures, sorted(good, key=lambda r: r.partition_id))
 
 
 def _log(server_round: int, failures: Sequence[str]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from fedmask_app.engines.flower.superlink import PrivateSuperLink
+from fedmask_app.engines.flower.superlink import MARKER, PrivateSuperLink
 from fedmask_app.run.config import toml_value
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -50,3 +50,16 @@ class FlowerRunner(PrivateSuperLink):
             except psutil.Error:
                 pass
         psutil.wait_procs(procs, timeout=wait)
+
+
+def superlink_tokens() -> set[str]:
+    """The markers of every live process started under some PrivateSuperLink (fedmask-run's or a test's)."""
+    tokens = set()
+    for proc in psutil.process_iter():
+        try:
+            token = proc.environ().get(MARKER)
+        except (psutil.Error, OSError):
+            continue
+        if token:
+            tokens.add(token)
+    return tokens

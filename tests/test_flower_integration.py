@@ -13,11 +13,10 @@ import numpy as np
 import pandas as pd
 import psutil
 import pytest
-from flwr_runner import SHARED_DATA, FlowerRunner, write_run_config
+from flwr_runner import SHARED_DATA, FlowerRunner, superlink_tokens, write_run_config
 
 from fedmask_app.cli import run as fedmask_run
 from fedmask_app.engines.flower.fast.slots import SLOT_NAME
-from fedmask_app.engines.flower.superlink import MARKER
 from fedmask_app.engines.local import run_local
 from fedmask_app.run.config import load_run_config
 from fedmask_app.run.results import COLUMNS
@@ -206,18 +205,6 @@ def test_ray_object_store_and_server_memory_stay_bounded(flower, tmp_path, fast)
     assert pd.read_csv(rounds)["round"].tolist() == list(range(1, 46))
 
 
-def _superlink_tokens() -> set[str]:
-    tokens = set()
-    for proc in psutil.process_iter():
-        try:
-            token = proc.environ().get(MARKER)
-        except (psutil.Error, OSError):
-            continue
-        if token:
-            tokens.add(token)
-    return tokens
-
-
 def test_runs_leave_a_simulation_they_did_not_start_alone(flower, tmp_path):
     """A simulation started outside the suite (its own FLWR_HOME and SuperLink) keeps running while
     fedmask-run and the tests' runner do their runs, and finishes; fedmask-run's own SuperLink is
@@ -231,10 +218,10 @@ def test_runs_leave_a_simulation_they_did_not_start_alone(flower, tmp_path):
         while not (rounds.exists() and len(rounds.read_text().splitlines()) > 1):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "outside.log").read_text()[-3000:]
             time.sleep(0.2)
-        before = _superlink_tokens()
+        before = superlink_tokens()
         inside = tiny(tmp_path, **{"run-name": "cli", "max-shard-size": 32})
         assert fedmask_run.main([str(write_run_config(tmp_path / "cli.toml", inside))]) == 0
-        assert _superlink_tokens() <= before, "fedmask-run left its SuperLink's processes behind"
+        assert superlink_tokens() <= before, "fedmask-run left its SuperLink's processes behind"
         rows, log = run_flower(flower, tmp_path, "runner", **{"max-shard-size": 32})
         assert rows["round"].tolist() == [1, 2], log
         assert proc.poll() is None or proc.returncode == 0

@@ -10,7 +10,7 @@ import time
 
 import pandas as pd
 import pytest
-from flwr_runner import PROJECT, SHARED_DATA, FlowerRunner
+from flwr_runner import PROJECT, SHARED_DATA, superlink_tokens
 
 from fedmask_app.cli import sweep
 from strategies.cohort import sample_cohort
@@ -84,14 +84,12 @@ def test_a_killed_sweep_resumes_where_it_stopped(tmp_path):
     pd.testing.assert_frame_equal(resumed.drop(columns="seconds"), uninterrupted.drop(columns="seconds"))
 
 
-def test_flower_engine_runs_a_grid_through_flwr(tmp_path, monkeypatch):
-    runner = FlowerRunner(tmp_path / "flwr-home")
-    monkeypatch.setenv("FLWR_HOME", str(runner.flwr_home))
+def test_flower_engine_runs_a_grid_through_flwr(tmp_path):
+    """Each run starts a SuperLink of its own and stops it: the sweep leaves no processes behind."""
     grid = write_grid(tmp_path / "grid.toml", 2, "seed = [0]\n")
-    try:
-        assert sweep.main([str(grid), "--output-dir", str(tmp_path / "out"), data_dir()]) == 0
-    finally:
-        runner.kill_all()
+    before = superlink_tokens()
+    assert sweep.main([str(grid), "--output-dir", str(tmp_path / "out"), data_dir()]) == 0
+    assert superlink_tokens() <= before
     rows = pd.read_csv(tmp_path / "out" / "seed=0" / "rounds.csv")
     assert rows["round"].tolist() == [1, 2]
     assert (rows["num_clients"] == 2).all()

@@ -17,7 +17,7 @@ from clients.seeds import batch_order_seed
 from clients.training import LocalTraining, local_update
 from fedmask_app.run.config import FaultInjection, RunConfig
 from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
-from fedmask_app.run.device import pick_device, set_threads
+from fedmask_app.run.device import compute_setup
 from fedmask_app.run.model import build_model
 from fedmask_app.run.partition import dirichlet_partition, identical_shards
 from strategies.aggregate import ClientReply
@@ -36,7 +36,7 @@ def client_shards(cfg: RunConfig, labels: np.ndarray) -> list[np.ndarray]:
 
 
 def local_training(cfg: RunConfig) -> LocalTraining:
-    return LocalTraining(epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, bf16=cfg.bf16)
+    return LocalTraining(epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, bf16=cfg.precision == "bf16")
 
 
 def client_mask(cfg: RunConfig, server_round: int, partition_id: int, sync_seed: int | None, num_blocks: int):
@@ -48,10 +48,9 @@ class ClientTask:
     """Model, data and shards of one process; ``train`` runs one client's round."""
 
     def __init__(self, cfg: RunConfig, shard_arrays: dict[int, tuple[np.ndarray, np.ndarray]] | None = None):
-        set_threads(cfg)
         self.cfg = cfg
-        self.device = pick_device(cfg)
-        self.model = build_model(cfg.model).to(self.device)
+        self.device, self.dtype = compute_setup(cfg)
+        self.model = build_model(cfg.model).to(self.device, self.dtype)
         self.num_blocks = len(list(self.model.parameters()))
         self._given_shards = shard_arrays  # deployment: a device's own shard file
         self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -74,7 +73,7 @@ class ClientTask:
                     raise ValueError(f"partition id {partition_id} outside 0..{len(shards) - 1}")
                 images, labels = x_train[shards[partition_id]], y_train[shards[partition_id]]
             self._shards[partition_id] = (
-                normalize(images).to(self.device),
+                normalize(images).to(self.device, self.dtype),
                 torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(self.device),
             )
         return self._shards[partition_id]

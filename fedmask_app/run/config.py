@@ -24,6 +24,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MASK_MODES = ("none", "independent", "synchronized")
 AGGREGATIONS = ("weighted", "uniform")
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("float32", "tf32", "bf16", "float64")
+GRANULARITIES = ("tensor", "coordinate")
 FAULT_KINDS = ("raise", "nan", "inf", "shape", "dtype", "hang")
 
 
@@ -64,7 +66,7 @@ class RunConfig:
     output_dir: str
     run_name: str
     device: str
-    bf16: bool
+    precision: str
     threads: int
     fast_simulation: bool
     min_clients: int
@@ -72,6 +74,16 @@ class RunConfig:
     checkpoint_every: int
     resume: bool
     inject_fault: str
+    curvature_every: int
+    probe_size: int
+    probe_file: str
+    curvature_probes: int
+    penalty_draws: int
+    mask_granularity: str
+    flatness_every: int
+    flatness_probes: int
+    lanczos_tol: float
+    lanczos_max_iter: int
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -110,6 +122,12 @@ class RunConfig:
         _require(0 <= self.test_subset <= 10000, "test-subset", self.test_subset, "0 (all 10000) to 10000")
         _require(self.eval_batch_size >= 1, "eval-batch-size", self.eval_batch_size, "an integer >= 1")
         _require(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
+        _require(self.precision in PRECISIONS, "precision", self.precision, f"one of {', '.join(PRECISIONS)}")
+        _require(
+            not (self.precision == "float64" and self.device == "cuda"), "precision", self.precision,
+            "float32, tf32 or bf16 with device = 'cuda' (float64 is the CPU-only reference precision)",
+        )
+        self._validate_measurements()
         _require(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0: from the client's CPUs)")
         _require(
             1 <= self.min_clients <= self.clients_per_round, "min-clients", self.min_clients,
@@ -126,6 +144,26 @@ class RunConfig:
         )
         self.fault_injections()  # parses or raises
         self._validate_data_dir()
+
+    def _validate_measurements(self) -> None:
+        for key, value in (("curvature-every", self.curvature_every), ("flatness-every", self.flatness_every)):
+            _require(value >= 0, key, value, "an integer >= 0 (0: never)")
+        _require(self.probe_size >= 1, "probe-size", self.probe_size, "an integer >= 1 (training images)")
+        for key, value in (("curvature-probes", self.curvature_probes), ("penalty-draws", self.penalty_draws),
+                           ("flatness-probes", self.flatness_probes)):
+            _require(value >= 2, key, value, "an integer >= 2 (a standard error needs two)")
+        _require(self.mask_granularity in GRANULARITIES, "mask-granularity", self.mask_granularity,
+                 f"one of {', '.join(GRANULARITIES)}")
+        _require(
+            self.mask_granularity == "tensor" or self.mask_mode == "none", "mask-granularity", self.mask_granularity,
+            "'tensor' while training with masks (mask-mode != none): coordinate masks are measured "
+            "(curvature-every), not yet trained with",
+        )
+        _require(0 < self.lanczos_tol < 1, "lanczos-tol", self.lanczos_tol, "a relative tolerance in (0, 1)")
+        _require(self.lanczos_max_iter >= 2, "lanczos-max-iter", self.lanczos_max_iter, "an integer >= 2")
+        if self.probe_file:
+            _require(Path(self.probe_file).expanduser().is_file(), "probe-file", self.probe_file,
+                     "an existing .npz file with arrays x (N, 32, 32, 3 uint8) and y (N labels)")
 
     def _validate_data_dir(self) -> None:
         data_dir = resolve_data_dir(self.data_dir)

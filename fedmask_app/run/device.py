@@ -1,4 +1,4 @@
-"""Where and how a process computes: the torch device and the number of threads."""
+"""Where and how a process computes: the torch device, its precision and the number of threads."""
 
 from __future__ import annotations
 
@@ -22,3 +22,36 @@ def set_threads(cfg: RunConfig) -> None:
     threads = cfg.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+def model_dtype(cfg: RunConfig) -> torch.dtype:
+    """float64 for the CPU reference precision, else float32 (bf16 is autocast inside training)."""
+    return torch.float64 if cfg.precision == "float64" else torch.float32
+
+
+def configure_precision(cfg: RunConfig, device: torch.device) -> None:
+    """Set this process's matmul/convolution precision for ``precision``.
+
+    float32 (default): TF32 off for matmuls and cuDNN convolutions (PyTorch lets cuDNN use TF32 by
+    default, which moves every Δ_k at the 1e-3 level), cuDNN autotuning off, and deterministic
+    algorithms: an operation without one raises, naming itself. tf32 and bf16 allow TF32 (bf16 also
+    autocasts local training to bfloat16) and keep algorithms free. float64: CPU only.
+    """
+    strict = cfg.precision in ("float32", "float64")
+    torch.backends.cuda.matmul.allow_tf32 = not strict
+    torch.backends.cudnn.allow_tf32 = not strict
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = strict
+    if device.type == "cuda":
+        # cuBLAS needs a fixed workspace to be deterministic; read when CUDA's handle is created.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(strict)
+
+
+def compute_setup(cfg: RunConfig) -> tuple[torch.device, torch.dtype]:
+    """Threads, device and precision for a process that trains, evaluates or measures; returns
+    the device and the dtype of models and inputs."""
+    set_threads(cfg)
+    device = pick_device(cfg)
+    configure_precision(cfg, device)
+    return device, model_dtype(cfg)

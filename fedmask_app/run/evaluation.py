@@ -11,7 +11,7 @@ from torch import nn
 from clients.training import load_parameters
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
-from fedmask_app.run.device import pick_device, set_threads
+from fedmask_app.run.device import compute_setup
 from fedmask_app.run.model import build_model
 
 
@@ -19,13 +19,12 @@ class Evaluator:
     """Test-set loss and accuracy of a global model (the first ``test-subset`` images, or all)."""
 
     def __init__(self, cfg: RunConfig):
-        set_threads(cfg)
         self.cfg = cfg
-        self.device = pick_device(cfg)
-        self.model = build_model(cfg.model).to(self.device)
+        self.device, self.dtype = compute_setup(cfg)
+        self.model = build_model(cfg.model).to(self.device, self.dtype)
         data = load_cifar10(resolve_data_dir(cfg.data_dir))
         n = cfg.test_subset or len(data.y_test)
-        self.images = normalize(data.x_test[:n]).to(self.device)
+        self.images = normalize(data.x_test[:n]).to(self.device, self.dtype)
         self.labels = torch.from_numpy(data.y_test[:n]).to(self.device)
 
     def due(self, server_round: int) -> bool:

@@ -14,7 +14,9 @@ import numpy as np
 
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.data import CONTENT_SHA256
+from fedmask_app.run.device import model_dtype
 from fedmask_app.run.evaluation import Evaluator
+from fedmask_app.run.measurements import RoundMeasurements
 from fedmask_app.run.model import initial_parameters
 from fedmask_app.run.results import RunResults, run_metadata
 from strategies.round import RoundFailed, RoundOutcome
@@ -23,14 +25,18 @@ TrainRound = Callable[[int, list[np.ndarray]], RoundOutcome]
 
 
 def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: Evaluator | None = None,
-               echo: Callable[[str], None] = print) -> list[np.ndarray]:
-    """Run rounds until ``num-rounds`` (from the last checkpoint when ``resume``); return θ."""
+               echo: Callable[[str], None] = print, server_has_training_data: bool = True) -> list[np.ndarray]:
+    """Run rounds until ``num-rounds`` (from the last checkpoint when ``resume``); return θ.
+
+    ``server_has_training_data``: False on a deployment's server, whose measurements then need
+    ``probe-file``."""
+    measurements = RoundMeasurements(cfg, server_has_training_data)  # fails before any round when it cannot
     results, checkpoint = RunResults.open(cfg, run_metadata(cfg, engine, CONTENT_SHA256))
     if checkpoint is not None:
         params, first = checkpoint.params, checkpoint.server_round + 1
         echo(f"[fedmask] resuming {cfg.name} after round {checkpoint.server_round}")
     else:
-        params, first = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)], 1
+        params, first = [p.to(model_dtype(cfg)).numpy() for p in initial_parameters(cfg.model, cfg.seed)], 1
     if evaluator is None and cfg.eval_every:  # eval-every = 0: no test set to load
         evaluator = Evaluator(cfg)
     echo(f"[fedmask] {engine} engine, run {cfg.name} -> {results.run_dir}")
@@ -42,10 +48,11 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
             echo(f"[fedmask] run stopped in round {server_round}: {exc}. Rounds 1-{server_round - 1} "
                  f"are in {results.rounds_path}" + (" and the last checkpoint" if cfg.checkpoint_every else ""))
             raise
-        params = outcome.result.params
+        theta, params = params, outcome.result.params
         due = evaluator is not None and evaluator.due(server_round)
         test_loss, test_accuracy = evaluator(params) if due else (float("nan"),) * 2
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started  # the measurements time themselves
+        measured = measurements(server_round, theta, outcome)
         stats = outcome.result.stats
         results.append_row({
             "round": server_round,
@@ -58,6 +65,7 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
             "num_failures": outcome.num_failures,
             "cohort": " ".join(map(str, outcome.result.partition_ids)),
             "seconds": round(seconds, 3),
+            **measured,
         })
         echo(
             f"[fedmask] round {server_round}/{cfg.num_rounds}  1/dS={stats['recovery']:.4f} "

@@ -1,4 +1,6 @@
-"""ResNet-18 with GroupNorm(2 groups) in place of BatchNorm, 10 classes."""
+"""The models a run can train, 10 classes: ResNet-18 with GroupNorm(2 groups) in place of
+BatchNorm (the paper's model), and ``linear-softmax`` (one linear layer on the flattened image,
+2 blocks: fast smoke runs, and a model whose updates a test can compute in closed form)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from torch import nn
 
 from clients.seeds import INIT, derive_seed
 
-MODELS = ("resnet18-gn", "resnet18-gn-cifar")
+MODELS = ("resnet18-gn", "resnet18-gn-cifar", "linear-softmax")
 
 
 def _group_norm(channels: int) -> nn.GroupNorm:
@@ -17,9 +19,13 @@ def _group_norm(channels: int) -> nn.GroupNorm:
 
 def build_model(name: str) -> nn.Module:
     """``resnet18-gn``: torchvision's stem (7×7/2 conv + max-pool); ``resnet18-gn-cifar``: 3×3/1
-    conv and no max-pool, the usual CIFAR stem (about 15× costlier on a CPU)."""
+    conv and no max-pool, the usual CIFAR stem (about 15× costlier on a CPU); ``linear-softmax``:
+    flatten the 3×32×32 image, then one ``nn.Linear(3072, 10)`` (weight and bias: 2 blocks), for
+    fast smoke runs."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)}")
+    if name == "linear-softmax":
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))
     model = torchvision.models.resnet18(num_classes=10, norm_layer=_group_norm)
     if name == "resnet18-gn-cifar":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)

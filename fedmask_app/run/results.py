@@ -19,9 +19,9 @@ import torch
 
 from fedmask_app.run.config import PROJECT_ROOT, RunConfig
 from fedmask_app.run.files import atomic_write, atomic_write_json
-from fedmask_app.run.schema import CHECKPOINT_FILE, CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE
+from fedmask_app.run.schema import ALL_COLUMNS, CHECKPOINT_FILE, CONFIG_FILE, ROUNDS_FILE
 
-COLUMNS = ROUND_COLUMNS
+COLUMNS = ALL_COLUMNS
 PACKAGES = ("torch", "torchvision", "numpy", "flwr", "flwr-datasets", "ray", "pandas")
 
 

@@ -1,5 +1,8 @@
-"""Grid files: a ``[base]`` table of run-config overrides and an ``[axes]`` table of lists; every
-combination of the axes is one run, named after its cell and seed."""
+"""Grid files: a ``[base]`` table of run-config overrides, an ``[axes]`` table of lists, and
+optionally ``[[cells]]`` tables that list cells explicitly (when a product of axes would make
+duplicates or cells nobody wants, e.g. mask-mode = "none" x keep-prob). Every cell (each
+``[[cells]]`` table, or one empty cell when there are none) times every combination of the axes is
+one run, named after its cell's and axes' values."""
 
 from __future__ import annotations
 
@@ -30,17 +33,24 @@ def load_grid(path: Path) -> list[GridRun]:
         raise ConfigError(f"grid file {path} not found")
     with path.open("rb") as f:
         grid = tomllib.load(f)
-    unknown = set(grid) - {"base", "axes"}
-    if unknown or "axes" not in grid:
-        raise ConfigError(f"{path}: a grid file has a [base] table and an [axes] table, found {sorted(grid)}")
-    base, axes = grid.get("base", {}), grid["axes"]
+    unknown = set(grid) - {"base", "axes", "cells"}
+    if unknown or not ({"axes", "cells"} & set(grid)):
+        raise ConfigError(f"{path}: a grid file has a [base] table and an [axes] table and/or [[cells]] tables, "
+                          f"found {sorted(grid)}")
+    base, axes, cells = grid.get("base", {}), grid.get("axes", {}), grid.get("cells", [{}])
     for key, values in axes.items():
         if not isinstance(values, list) or not values:
             raise ConfigError(f"{path}: axis {key!r} must be a non-empty list, got {values!r}")
+    if not isinstance(cells, list) or not cells or not all(isinstance(c, dict) for c in cells):
+        raise ConfigError(f"{path}: cells must be [[cells]] tables of run-config values")
     keys = list(axes)
-    runs = []
-    for combo in itertools.product(*(axes[k] for k in keys)):
-        cell = dict(zip(keys, combo, strict=True))
-        name = "_".join(f"{k}={_label(v)}" for k, v in cell.items())
-        runs.append(GridRun(name=name, overrides={**base, **cell, "run-name": name}))
+    runs, names = [], set()
+    for cell in cells:
+        for combo in itertools.product(*(axes[k] for k in keys)):
+            values = {**cell, **dict(zip(keys, combo, strict=True))}
+            name = "_".join(f"{k}={_label(v)}" for k, v in values.items())
+            if name in names:
+                raise ConfigError(f"{path}: two runs would be named {name!r}: make the cells differ")
+            names.add(name)
+            runs.append(GridRun(name=name, overrides={**base, **values, "run-name": name}))
     return runs

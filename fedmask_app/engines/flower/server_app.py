@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import InMemoryGrid
 
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.loop import run_rounds
@@ -75,6 +76,9 @@ def main(grid: Grid, context: Context) -> None:
     cfg = RunConfig.from_mapping(context.run_config)
     transport = open_transport(cfg, grid)
     try:
-        run_rounds(cfg, ENGINE, FlowerRounds(cfg, grid, transport))
+        # A simulation's server reads the training set (the probe batch of the measurements); a
+        # deployment's server has none.
+        simulation = isinstance(grid, InMemoryGrid)
+        run_rounds(cfg, ENGINE, FlowerRounds(cfg, grid, transport), server_has_training_data=simulation)
     finally:
         transport.close()
