@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 # Purpose tags keep the streams of one (seed, round, partition id) independent of each other.
-INIT = 0
+# None is 0: SeedSequence drops trailing zeros, so (seed, 0) would be the stream of the bare run
+# seed, which the Dirichlet partition draws from (numpy's default_rng(seed)).
 COHORT = 1
 BATCH_ORDER = 2
 MASK = 3
@@ -13,6 +14,8 @@ SYNC_MASK = 4
 SHARED_BATCH_ORDER = 5  # the identical-shards control: one order for every client
 PROBE = 6  # the probe batch of the server's curvature and flatness measurements (once per run)
 MEASUREMENT = 7  # the measurements' Rademacher signs and mask draws, per round
+INIT = 8  # θ_0 (it was 0 until 2026-11-30, which shared the partition's stream)
+PURPOSES = (COHORT, BATCH_ORDER, MASK, SYNC_MASK, SHARED_BATCH_ORDER, PROBE, MEASUREMENT, INIT)
 
 
 def derive_seed(*key: int) -> int:

@@ -184,3 +184,14 @@ def test_independent_mode_gives_clients_different_masks(base_cfg):
 def test_no_mask_when_masking_is_off(base_cfg):
     cfg = dataclasses.replace(base_cfg, mask_mode="none")
     assert _client_mask(cfg, 1, 0, 7, 10) is None
+
+
+def test_every_purpose_has_a_stream_of_its_own():
+    """No purpose tag is 0 (SeedSequence drops trailing zeros: (seed, 0) is the bare run seed's
+    stream, which the partition draws from) and no two purposes share a tag."""
+    from clients.seeds import INIT, PURPOSES
+
+    assert 0 not in PURPOSES and len(set(PURPOSES)) == len(PURPOSES) and INIT in PURPOSES
+    for seed in (0, 7):
+        partition_stream = np.random.SeedSequence(seed).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1)
+        assert all(derive_seed(seed, tag) != int(partition_stream) for tag in PURPOSES)
