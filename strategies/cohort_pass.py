@@ -59,7 +59,7 @@ def _check(updates: Sequence[Sequence], weights: Sequence[float]) -> int:
 
 @dataclass
 class _Partial:
-    """What one worker's share of the blocks contributes."""
+    """What one block contributes (summed over blocks in block order, whichever thread ran it)."""
 
     sq_norms: list[float]
     sq_norm_of_sum: float = 0.0
@@ -69,11 +69,13 @@ class _Partial:
 def _reduce_blocks(
     blocks: Sequence[int], updates: Sequence[Sequence], weights: Sequence[float], step: ServerStep | None,
     new_params: list,
-) -> _Partial:
-    partial = _Partial(sq_norms=[0.0] * len(updates))
+) -> list[tuple[int, _Partial]]:
     total_weight = sum(weights)
     buffers = np.empty((5, CHUNK))
+    done = []
     for b in blocks:
+        partial = _Partial(sq_norms=[0.0] * len(updates))
+        done.append((b, partial))
         flats = [np.asarray(u[b]).reshape(-1) for u in updates]
         size = flats[0].size
         if any(f.size != size for f in flats):
@@ -117,7 +119,7 @@ def _reduce_blocks(
                 np.subtract(theta_flat[lo : lo + n], delta, out=out[lo : lo + n], casting="unsafe")
         if step is not None:
             new_params[b] = out.reshape(theta.shape)
-    return partial
+    return done
 
 
 def _split_blocks(sizes: Sequence[int], parts: int) -> list[list[int]]:
@@ -140,7 +142,7 @@ def reduce_cohort(
 
     ``updates[k]`` is client k's Δ_k as a list of arrays (one per parameter tensor), any float
     dtype; everything is accumulated in float64. ``threads`` share the blocks (0: all cores);
-    the results do not depend on it.
+    neither θ nor the sums depend on it: each block's sums are added up in block order.
     """
     num_blocks = _check(updates, weights)
     weights = [float(w) for w in weights]
@@ -152,10 +154,11 @@ def reduce_cohort(
     groups = _split_blocks([np.size(block) for block in updates[0]], threads or os.cpu_count() or 1)
     new_params: list = [None] * num_blocks
     if len(groups) == 1:
-        partials = [_reduce_blocks(groups[0], updates, weights, step, new_params)]
+        per_group = [_reduce_blocks(groups[0], updates, weights, step, new_params)]
     else:
         with ThreadPoolExecutor(len(groups)) as pool:
-            partials = list(pool.map(lambda g: _reduce_blocks(g, updates, weights, step, new_params), groups))
+            per_group = list(pool.map(lambda g: _reduce_blocks(g, updates, weights, step, new_params), groups))
+    partials = [partial for _, partial in sorted((pair for group in per_group for pair in group), key=lambda p: p[0])]
     sq_norms = [sum(p.sq_norms[k] for p in partials) for k in range(len(updates))]
     sums = CohortSums(
         cohort_size=len(updates),
