@@ -20,6 +20,7 @@ from strategies.cohort import sample_cohort
 from strategies.round import RoundOutcome, finish_round
 
 ENGINE = "local"
+VECTORIZED_ENGINE = "local-vectorized"
 
 
 def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
@@ -29,11 +30,14 @@ def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
         cohort = sample_cohort(cfg.seed, server_round, partition_ids, cfg.clients_per_round)
         sync_seed = synchronized_mask_seed(cfg.seed, server_round) if cfg.mask_mode == "synchronized" else None
         replies, failures = [], []
-        for partition_id in cohort:
-            try:
-                replies.append(task.train(partition_id, server_round, params, sync_seed))
-            except Exception as exc:  # a failing client is left out, as in the Flower app
-                failures.append(f"partition {partition_id}: {type(exc).__name__}: {exc}")
+        if cfg.vectorize:  # the whole cohort in one batched computation (faults are refused at start)
+            replies = task.train_cohort(cohort, server_round, params, sync_seed)
+        else:
+            for partition_id in cohort:
+                try:
+                    replies.append(task.train(partition_id, server_round, params, sync_seed))
+                except Exception as exc:  # a failing client is left out, as in the Flower app
+                    failures.append(f"partition {partition_id}: {type(exc).__name__}: {exc}")
         return finish_round(
             server_round, params, replies, failures,
             aggregation=cfg.aggregation, keep_prob=cfg.keep_prob, min_clients=cfg.min_clients,
@@ -46,4 +50,7 @@ def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.nd
     """Run ``cfg`` to the end in this process and return the final global parameters."""
     if any(f.kind == "hang" for f in cfg.fault_injections()):
         raise ValueError("inject-fault 'hang' needs the Flower engine: an in-process client cannot time out")
-    return run_rounds(cfg, ENGINE, local_train_round(cfg, ClientTask(cfg)), echo=echo)
+    if cfg.vectorize and cfg.inject_fault:
+        raise ValueError("inject-fault needs vectorize = false: the vectorised cohort step trains all clients at once")
+    engine = VECTORIZED_ENGINE if cfg.vectorize else ENGINE
+    return run_rounds(cfg, engine, local_train_round(cfg, ClientTask(cfg)), echo=echo)

@@ -15,6 +15,7 @@ import torch
 from clients.masking import client_block_mask
 from clients.seeds import batch_order_seed
 from clients.training import LocalTraining, local_update
+from clients.vectorized import vectorized_local_updates
 from fedmask_app.run.config import FaultInjection, RunConfig
 from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
 from fedmask_app.run.device import compute_setup
@@ -88,16 +89,37 @@ class ClientTask:
         if fault:
             _raise_or_hang(fault, self.cfg.round_timeout)
         images, labels = self.shard(partition_id)
-        order_key = None if self.cfg.identical_shards else partition_id
-        generator = torch.Generator().manual_seed(batch_order_seed(self.cfg.seed, server_round, order_key))
+        generator = self._batch_order(server_round, partition_id)
         result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator, out)
         update = list(out) if out is not None else [t.detach().cpu().numpy() for t in result.update]
         if fault:
             update = _corrupt(fault, update)
+        return self._reply(partition_id, server_round, sync_seed, result.num_examples, result.train_loss, update)
+
+    def train_cohort(
+        self, partition_ids: list[int], server_round: int, global_params: list[np.ndarray], sync_seed: int | None,
+    ) -> list[ClientReply]:
+        """Every client of the cohort in one batched computation (``vectorize``): each reply is the
+        one ``train`` gives, up to float rounding (clients/vectorized.py)."""
+        shards = [self.shard(pid) for pid in partition_ids]
+        generators = [self._batch_order(server_round, pid) for pid in partition_ids]
+        results = vectorized_local_updates(self.model, global_params, shards, local_training(self.cfg), generators)
+        return [
+            self._reply(pid, server_round, sync_seed, r.num_examples, r.train_loss,
+                        [t.detach().cpu().numpy() for t in r.update])
+            for pid, r in zip(partition_ids, results, strict=True)
+        ]
+
+    def _batch_order(self, server_round: int, partition_id: int) -> torch.Generator:
+        order_key = None if self.cfg.identical_shards else partition_id
+        return torch.Generator().manual_seed(batch_order_seed(self.cfg.seed, server_round, order_key))
+
+    def _reply(self, partition_id: int, server_round: int, sync_seed: int | None, num_examples: int,
+               train_loss: float, update: list[np.ndarray]) -> ClientReply:
         return ClientReply(
             partition_id=partition_id,
-            num_examples=result.num_examples,
-            train_loss=result.train_loss,
+            num_examples=num_examples,
+            train_loss=train_loss,
             update=update,
             keep=client_mask(self.cfg, server_round, partition_id, sync_seed, self.num_blocks),
         )

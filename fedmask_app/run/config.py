@@ -69,6 +69,7 @@ class RunConfig:
     precision: str
     threads: int
     fast_simulation: bool
+    vectorize: bool
     min_clients: int
     round_timeout: float
     checkpoint_every: int

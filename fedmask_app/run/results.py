@@ -36,7 +36,7 @@ class Checkpoint:
 
 
 # Keys that do not change a run's numbers: a resume may differ in them.
-TRANSPORT_KEYS = {"resume", "fast-simulation"}
+TRANSPORT_KEYS = {"resume", "fast-simulation"}  # not vectorize: it moves float32 results by rounding
 
 
 def _cell(value: Any) -> Any:
