@@ -7,7 +7,9 @@ real CIFAR-10, no evaluation. Timed three ways, each after warm-up rounds, media
       another, then the project's own server step (aggregate_cohort: θ update and statistics).
       Its training alone is printed too. It runs before and after (b) and (c), and its median
       is over both, so a drift of the machine's speed during the run does not favour (b);
-  (b) the same rounds through the Flower simulation (fedmask-run: flwr run --stream, Ray);
+  (b) the same rounds through the Flower simulation (fedmask-run: flwr run --stream, Ray) with
+      the speed-only transport (fast-simulation = true, the default), and (b0) without it
+      (Flower's public API alone);
   (c) the same rounds through the local engine (fedmask-local's run_local).
 (b) and (c) take the per-round wall time that rounds.csv records (train + aggregate + write).
 The last line is the ratio b/a.
@@ -43,8 +45,8 @@ WORKLOAD = {
 }
 
 
-def config(args: argparse.Namespace, out: Path, name: str, threads: int):
-    values = {**WORKLOAD, "max-shard-size": args.samples, "local-epochs": args.epochs,
+def config(args: argparse.Namespace, out: Path, name: str, threads: int, **extra):
+    values = {**WORKLOAD, **extra, "max-shard-size": args.samples, "local-epochs": args.epochs,
               "num-rounds": args.warmup + args.rounds, "data-dir": str(Path(args.data_dir).resolve()),
               "output-dir": str(out), "run-name": name, "threads": threads}
     return run_config_from_values(values)
@@ -96,22 +98,27 @@ def main() -> None:
     run_local(local_cfg, echo=lambda _: None)
     local = round_seconds(local_cfg)[args.warmup:]
 
-    flower_cfg = config(args, out, "flower", 0)
     peak: list[str] = []
-    log = collections.deque(maxlen=40)
 
-    def on_line(line: str) -> None:
-        log.append(line)
-        peak.extend(re.findall(r"peak RSS of this flower server process: (\d+)", line))
+    def run_flower(name: str, fast: bool) -> list[float]:
+        cfg = config(args, out, name, 0, **{"fast-simulation": fast})
+        log = collections.deque(maxlen=40)
 
-    run_with_flower(flower_cfg, num_cpus=args.num_cpus, num_gpus=0.0, on_line=on_line)
-    if not is_complete(flower_cfg.run_dir, flower_cfg.num_rounds):
-        sys.exit("the Flower run did not complete; the end of its output:\n" + "\n".join(log))
-    flower = round_seconds(flower_cfg)[args.warmup:]
+        def on_line(line: str) -> None:
+            log.append(line)
+            peak.extend(re.findall(r"peak RSS of this flower server process: (\d+)", line))
+
+        run_with_flower(cfg, num_cpus=args.num_cpus, num_gpus=0.0, on_line=on_line)
+        if not is_complete(cfg.run_dir, cfg.num_rounds):
+            sys.exit("the Flower run did not complete; the end of its output:\n" + "\n".join(log))
+        return round_seconds(cfg)[args.warmup:]
+
+    flower = run_flower("flower", fast=True)
+    flower_public = run_flower("flower-public-api", fast=False)
     run_bare()
 
     images = WORKLOAD["clients-per-round"] * args.samples * args.epochs
-    a, a_train, b, c = (statistics.median(t) for t in (bare, bare_training, flower, local))
+    a, a_train, b, b0, c = (statistics.median(t) for t in (bare, bare_training, flower, flower_public, local))
     print(f"workload: {WORKLOAD['clients-per-round']} clients x {args.samples} samples, "
           f"bs {WORKLOAD['batch-size']}, {args.epochs} epoch(s), ResNet-18/GN; "
           f"median of {args.rounds} rounds after {args.warmup} warm-up ((a): 2 x {args.rounds})")
@@ -119,8 +126,11 @@ def main() -> None:
           f"(server step {a - a_train:.3f} s)")
     print(f"(a) bare loop         {a:7.3f} s/round  {images / a:7.1f} images/s")
     print(f"(c) local engine      {c:7.3f} s/round  {images / c:7.1f} images/s  ratio c/a = {c / a:.3f}")
+    print(f"(b0) flower, public API {b0:7.3f} s/round  {images / b0:7.1f} images/s  "
+          f"ratio b0/a = {b0 / a:.3f} (fast-simulation = false)")
     print(f"(b) flower simulation {b:7.3f} s/round  {images / b:7.1f} images/s")
-    print(f"server peak RSS (flower ServerApp process): {peak[-1] if peak else '?'} MiB")
+    print(f"server peak RSS (flower ServerApp process): {peak[0] if peak else '?'} MiB with fast-simulation, "
+          f"{peak[-1] if len(peak) > 1 else '?'} MiB without")
     print(f"b / bare loop training alone = {b / a_train:.3f}")
     print(f"ratio b/a = {b / a:.3f}")
 

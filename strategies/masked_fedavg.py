@@ -135,8 +135,11 @@ class MaskedFedAvg(FedAvg):
 
     def __init__(
         self, *, seed: int, num_clients: int, clients_per_round: int, mask_mode: str, keep_prob: float,
-        aggregation: str, min_clients: int, round_timeout: float,
+        aggregation: str, min_clients: int, round_timeout: float, node_wait: float | None = None,
     ):
+        """``node_wait``: how long to wait for ``num_clients`` nodes to connect (default
+        ``round_timeout``: a deployment's SuperNodes join over time; a simulation's are all there
+        at once, so its ServerApp passes a few seconds)."""
         super().__init__(
             fraction_train=clients_per_round / num_clients,
             fraction_evaluate=0.0,  # the global model is evaluated on the server
@@ -151,13 +154,14 @@ class MaskedFedAvg(FedAvg):
         self.aggregation = aggregation
         self.min_clients = min_clients
         self.round_timeout = round_timeout
+        self.node_wait = round_timeout if node_wait is None else node_wait
         self.node_of_partition: dict[int, int] = {}
         self._round_arrays: ArrayRecord | None = None
         self._round_cohort: dict[int, int] = {}  # node id -> partition id of this round's cohort
 
     def discover_partitions(self, grid: Grid) -> dict[int, int]:
-        """Ask every node once for its partition id; wait up to round-timeout for num-clients nodes."""
-        deadline = time.monotonic() + self.round_timeout
+        """Ask every node once for its partition id; wait up to ``node_wait`` for num-clients nodes."""
+        deadline = time.monotonic() + self.node_wait
         node_ids = list(grid.get_node_ids())
         while len(node_ids) < self.num_clients and time.monotonic() < deadline:
             time.sleep(1.0)

@@ -229,3 +229,15 @@ def test_runs_leave_a_simulation_they_did_not_start_alone(flower, tmp_path):
         assert pd.read_csv(rounds)["round"].tolist() == [1, 2, 3, 4, 5, 6]
     finally:
         outside.kill_all()
+
+
+def test_a_federation_smaller_than_num_clients_fails_fast_in_simulation(flower, tmp_path):
+    """10 SuperNodes for num-clients = 100: the run stops after seconds with the reason, not after
+    round-timeout (3600 s here)."""
+    values = tiny(tmp_path, **{"run-name": "small", "round-timeout": 3600.0})
+    started = time.monotonic()
+    done = flower.run(write_run_config(tmp_path / "small.toml", values), num_supernodes=10, timeout=300)
+    log = done.stdout + done.stderr
+    assert "num-clients = 100 but only 10 nodes connected" in log, log[-3000:]
+    assert time.monotonic() - started < 240
+    assert not (tmp_path / "small" / "rounds.csv").exists() or len(pd.read_csv(tmp_path / "small" / "rounds.csv")) == 0

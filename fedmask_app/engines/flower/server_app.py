@@ -16,6 +16,9 @@ from strategies.masked_fedavg import MaskedFedAvg, record_from_arrays
 from strategies.round import RoundOutcome
 
 ENGINE = "flower"
+# A simulation's SuperNodes all exist when the ServerApp starts: a federation smaller than
+# num-clients fails after this many seconds, not after round-timeout.
+SIMULATION_NODE_WAIT = 10.0
 
 app = ServerApp()
 
@@ -50,7 +53,7 @@ def open_transport(cfg: RunConfig, grid: Grid):
 class FlowerRounds:
     """``train_round`` for the shared loop: one round's messages out, replies in, the outcome back."""
 
-    def __init__(self, cfg: RunConfig, grid: Grid, transport: PlainTransport):
+    def __init__(self, cfg: RunConfig, grid: Grid, transport: PlainTransport, simulation: bool):
         self.grid = grid
         self.transport = transport
         self.round_timeout = cfg.round_timeout
@@ -58,6 +61,7 @@ class FlowerRounds:
             seed=cfg.seed, num_clients=cfg.num_clients, clients_per_round=cfg.clients_per_round,
             mask_mode=cfg.mask_mode, keep_prob=cfg.keep_prob, aggregation=cfg.aggregation,
             min_clients=cfg.min_clients, round_timeout=cfg.round_timeout,
+            node_wait=SIMULATION_NODE_WAIT if simulation else None,
         )
 
     def __call__(self, server_round: int, params: list[np.ndarray]) -> RoundOutcome:
@@ -79,6 +83,7 @@ def main(grid: Grid, context: Context) -> None:
         # A simulation's server reads the training set (the probe batch of the measurements); a
         # deployment's server has none.
         simulation = isinstance(grid, InMemoryGrid)
-        run_rounds(cfg, ENGINE, FlowerRounds(cfg, grid, transport), server_has_training_data=simulation)
+        rounds = FlowerRounds(cfg, grid, transport, simulation)
+        run_rounds(cfg, ENGINE, rounds, server_has_training_data=simulation)
     finally:
         transport.close()
