@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from clients.masking import mask_scales
-from strategies.cohort_pass import ServerStep, reduce_cohort
+from strategies.cohort_pass import CohortSums, ServerStep, reduce_cohort
 from strategies.stats import cohort_result
 
 
@@ -70,12 +70,19 @@ class CohortResult:
     train_loss: float  # n_k-weighted mean of the clients' training losses
     num_examples: int
     partition_ids: list[int]
+    sums: CohortSums  # what the statistics are made of (the keep-prob schedule reads B_w from them)
+    server_lr: float = 1.0  # η_g: θ ← θ − η_g Σ_k w_k Δ̃_k
+
+
+ServerLr = Callable[[CohortSums], float]  # η_g from the cohort's sums (strategies/server_step.py)
 
 
 def aggregate_cohort(
-    global_params: Sequence[np.ndarray], replies: Sequence[ClientReply], aggregation: str, keep_prob: float
+    global_params: Sequence[np.ndarray], replies: Sequence[ClientReply], aggregation: str, keep_prob: float,
+    server_lr: ServerLr | None = None,
 ) -> CohortResult:
-    """θ ← θ − Σ_k w_k Δ̃_k and the cohort statistics of the unmasked Δ_k, in one pass.
+    """θ ← θ − η_g Σ_k w_k Δ̃_k and the cohort statistics of the unmasked Δ_k: one pass (FedAvg,
+    η_g = 1), or two when ``server_lr`` computes η_g from the statistics' sums (FedExP).
 
     Replies are taken in partition-id order, so float results do not depend on arrival order.
     """
@@ -85,13 +92,20 @@ def aggregate_cohort(
     counts = [r.num_examples for r in ordered]
     num_blocks = len(global_params)
     block_coefs = None
-    if any(r.keep is not None for r in ordered):  # Δ̃_k^(b) = (m_k^(b) / p) Δ_k^(b)
+    if any(r.keep is not None for r in ordered) or server_lr is not None:  # Δ̃_k^(b) = (m_k^(b) / p) Δ_k^(b)
         block_coefs = [
             [w * s for s in mask_scales([True] * num_blocks if r.keep is None else r.keep, keep_prob)]
             for r, w in zip(ordered, client_weights(counts, aggregation), strict=True)
         ]
-    step = ServerStep(global_params, weighted=aggregation == "weighted", block_coefs=block_coefs)
-    sums, params = reduce_cohort([r.update for r in ordered], [float(n) for n in counts], step)
+    lr = 1.0
+    if server_lr is None:
+        step = ServerStep(global_params, weighted=aggregation == "weighted", block_coefs=block_coefs)
+        sums, params = reduce_cohort([r.update for r in ordered], [float(n) for n in counts], step)
+    else:
+        sums, _ = reduce_cohort([r.update for r in ordered], [float(n) for n in counts])
+        lr = server_lr(sums) if all(math.isfinite(sq) for sq in sums.sq_norms) else 1.0
+        step = ServerStep(global_params, block_coefs=[[lr * c for c in coefs] for coefs in block_coefs])
+        _, params = reduce_cohort([r.update for r in ordered], [float(n) for n in counts], step)
     # ‖Δ_k‖² in float64 is finite exactly when every value of Δ_k is (float32 squares cannot overflow).
     non_finite = [r.partition_id for r, sq in zip(ordered, sums.sq_norms, strict=True) if not math.isfinite(sq)]
     if non_finite:
@@ -103,4 +117,6 @@ def aggregate_cohort(
         train_loss=sum(r.train_loss * r.num_examples for r in ordered) / total,
         num_examples=total,
         partition_ids=[r.partition_id for r in ordered],
+        sums=sums,
+        server_lr=lr,
     )

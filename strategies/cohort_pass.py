@@ -30,6 +30,7 @@ class CohortSums:
     sq_norm_of_sum: float  # ‖Σ Δ_k‖²
     sq_norm_of_weighted_sum: float  # ‖Σ n_k Δ_k‖²
     sq_norms: tuple[float, ...] = ()  # ‖Δ_k‖² of each client, in the order given (inf/nan: NaN or Inf in Δ_k)
+    weights: tuple[float, ...] = ()  # n_k of each client, in the same order
 
 
 @dataclass(frozen=True)
@@ -168,5 +169,6 @@ def reduce_cohort(
         sq_norm_of_sum=sum(p.sq_norm_of_sum for p in partials),
         sq_norm_of_weighted_sum=sum(p.sq_norm_of_weighted_sum for p in partials),
         sq_norms=tuple(sq_norms),
+        weights=tuple(weights),
     )
     return sums, (new_params if step is not None else None)

@@ -3,7 +3,8 @@ updates and the paper's statistics every round; and the message layout it reads 
 
 Message layout
 - train (server -> client): "arrays" ArrayRecord θ (keys "0".."B-1", parameter order) and
-  "config" ConfigRecord {"server-round", and "mask-seed" in synchronized mode}.
+  "config" ConfigRecord {"server-round", "keep-prob" (this round's p), and "mask-seed" in
+  synchronized mode}.
 - train reply: "update" ArrayRecord Δ_k = θ − θ_k, unmasked, same keys; "metrics" MetricRecord
   {"num-examples", "train-loss", "partition-id"}; with masking on, "mask" ConfigRecord {"keep":
   list[bool], one m^(b) per block}. The server applies (m^(b)/p) when it averages and computes
@@ -34,7 +35,7 @@ from flwr.serverapp.strategy import FedAvg
 from numpy.lib import format as npy
 
 from clients.seeds import synchronized_mask_seed
-from strategies.aggregate import ClientReply
+from strategies.aggregate import ClientReply, ServerLr
 from strategies.cohort import sample_cohort
 from strategies.round import RoundOutcome, finish_round
 
@@ -157,6 +158,7 @@ class MaskedFedAvg(FedAvg):
         self.node_wait = round_timeout if node_wait is None else node_wait
         self.node_of_partition: dict[int, int] = {}
         self._round_arrays: ArrayRecord | None = None
+        self._round_keep_prob = keep_prob
         self._round_cohort: dict[int, int] = {}  # node id -> partition id of this round's cohort
 
     def discover_partitions(self, grid: Grid) -> dict[int, int]:
@@ -202,15 +204,19 @@ class MaskedFedAvg(FedAvg):
         if self.mask_mode == "synchronized":
             config["mask-seed"] = synchronized_mask_seed(self.seed, server_round)
         self._round_arrays = arrays
+        self._round_keep_prob = float(config.get("keep-prob", self.keep_prob))
         self._round_cohort = {self.node_of_partition[pid]: pid for pid in cohort}
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return [
             Message(content=record, dst_node_id=node, message_type=MessageType.TRAIN) for node in self._round_cohort
         ]
 
-    def round_outcome(self, server_round: int, replies: Iterable[Message]) -> RoundOutcome:
-        """Leave out failed or malformed replies, then θ ← θ − Σ w_k Δ̃_k and the statistics.
-        Raises RoundFailed when fewer than ``min_clients`` good replies remain."""
+    def round_outcome(
+        self, server_round: int, replies: Iterable[Message], server_lr: ServerLr | None = None
+    ) -> RoundOutcome:
+        """Leave out failed or malformed replies, then θ ← θ − η_g Σ w_k Δ̃_k (η_g = 1, or
+        ``server_lr`` of the cohort's sums) and the statistics. Raises RoundFailed when fewer than
+        ``min_clients`` good replies remain."""
         if self._round_arrays is None:
             raise RuntimeError("round_outcome called before configure_train")
         failures, good = [], []
@@ -231,7 +237,8 @@ class MaskedFedAvg(FedAvg):
                 failures.append(f"partition {pid}: no reply within round-timeout ({self.round_timeout:g}s)")
         return finish_round(
             server_round, record_views(self._round_arrays), good, failures,
-            aggregation=self.aggregation, keep_prob=self.keep_prob, min_clients=self.min_clients,
+            aggregation=self.aggregation, keep_prob=self._round_keep_prob, min_clients=self.min_clients,
+            server_lr=server_lr,
         )
 
     def aggregate_train(

@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from strategies.aggregate import ClientReply, CohortResult, NonFiniteUpdates, aggregate_cohort, reply_problem
+from strategies.aggregate import (
+    ClientReply,
+    CohortResult,
+    NonFiniteUpdates,
+    ServerLr,
+    aggregate_cohort,
+    reply_problem,
+)
 
 log = logging.getLogger("fedmask")
 
@@ -37,6 +44,7 @@ def finish_round(
     aggregation: str,
     keep_prob: float,
     min_clients: int,
+    server_lr: ServerLr | None = None,
 ) -> RoundOutcome:
     """Leave out replies of the wrong layout or with NaN/Inf, then aggregate the good ones.
 
@@ -62,7 +70,7 @@ def finish_round(
                 f"left out: {'; '.join(failures) or 'none'}"
             )
         try:
-            result = aggregate_cohort(global_params, good, aggregation, keep_prob)
+            result = aggregate_cohort(global_params, good, aggregation, keep_prob, server_lr)
         except NonFiniteUpdates as exc:
             failures.extend(f"partition {pid}: update holds NaN or Inf" for pid in exc.partition_ids)
             good = [r for r in good if r.partition_id not in exc.partition_ids]

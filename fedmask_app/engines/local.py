@@ -16,6 +16,7 @@ from clients.seeds import synchronized_mask_seed
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.loop import TrainRound, run_rounds
+from strategies.aggregate import ServerLr
 from strategies.cohort import sample_cohort
 from strategies.round import RoundOutcome, finish_round
 
@@ -26,21 +27,23 @@ VECTORIZED_ENGINE = "local-vectorized"
 def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
     partition_ids = list(range(cfg.num_clients))
 
-    def train_round(server_round: int, params: list[np.ndarray]) -> RoundOutcome:
+    def train_round(
+        server_round: int, params: list[np.ndarray], keep_prob: float, server_lr: ServerLr | None
+    ) -> RoundOutcome:
         cohort = sample_cohort(cfg.seed, server_round, partition_ids, cfg.clients_per_round)
         sync_seed = synchronized_mask_seed(cfg.seed, server_round) if cfg.mask_mode == "synchronized" else None
         replies, failures = [], []
         if cfg.vectorize:  # the whole cohort in one batched computation (faults are refused at start)
-            replies = task.train_cohort(cohort, server_round, params, sync_seed)
+            replies = task.train_cohort(cohort, server_round, params, sync_seed, keep_prob)
         else:
             for partition_id in cohort:
                 try:
-                    replies.append(task.train(partition_id, server_round, params, sync_seed))
+                    replies.append(task.train(partition_id, server_round, params, sync_seed, keep_prob=keep_prob))
                 except Exception as exc:  # a failing client is left out, as in the Flower app
                     failures.append(f"partition {partition_id}: {type(exc).__name__}: {exc}")
         return finish_round(
             server_round, params, replies, failures,
-            aggregation=cfg.aggregation, keep_prob=cfg.keep_prob, min_clients=cfg.min_clients,
+            aggregation=cfg.aggregation, keep_prob=keep_prob, min_clients=cfg.min_clients, server_lr=server_lr,
         )
 
     return train_round

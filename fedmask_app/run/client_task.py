@@ -40,9 +40,12 @@ def local_training(cfg: RunConfig) -> LocalTraining:
     return LocalTraining(epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, bf16=cfg.precision == "bf16")
 
 
-def client_mask(cfg: RunConfig, server_round: int, partition_id: int, sync_seed: int | None, num_blocks: int):
-    """The block mask this client draws, or None when masking is off (``client_block_mask``)."""
-    return client_block_mask(cfg.mask_mode, cfg.keep_prob, num_blocks, cfg.seed, server_round, partition_id, sync_seed)
+def client_mask(cfg: RunConfig, server_round: int, partition_id: int, sync_seed: int | None, num_blocks: int,
+                keep_prob: float | None = None):
+    """The block mask this client draws (at the round's ``keep_prob``, else the configured one),
+    or None when masking is off (``client_block_mask``)."""
+    p = cfg.keep_prob if keep_prob is None else keep_prob
+    return client_block_mask(cfg.mask_mode, p, num_blocks, cfg.seed, server_round, partition_id, sync_seed)
 
 
 class ClientTask:
@@ -81,7 +84,7 @@ class ClientTask:
 
     def train(
         self, partition_id: int, server_round: int, global_params: list[np.ndarray], sync_seed: int | None,
-        out: list[np.ndarray] | None = None,
+        out: list[np.ndarray] | None = None, keep_prob: float | None = None,
     ) -> ClientReply:
         """One client's round; with ``out`` (arrays shaped like the parameters), Δ_k is written
         into them and the reply's update is that list."""
@@ -94,10 +97,12 @@ class ClientTask:
         update = list(out) if out is not None else [t.detach().cpu().numpy() for t in result.update]
         if fault:
             update = _corrupt(fault, update)
-        return self._reply(partition_id, server_round, sync_seed, result.num_examples, result.train_loss, update)
+        return self._reply(partition_id, server_round, sync_seed, keep_prob, result.num_examples, result.train_loss,
+                           update)
 
     def train_cohort(
         self, partition_ids: list[int], server_round: int, global_params: list[np.ndarray], sync_seed: int | None,
+        keep_prob: float | None = None,
     ) -> list[ClientReply]:
         """Every client of the cohort in one batched computation (``vectorize``): each reply is the
         one ``train`` gives, up to float rounding (clients/vectorized.py)."""
@@ -105,7 +110,7 @@ class ClientTask:
         generators = [self._batch_order(server_round, pid) for pid in partition_ids]
         results = vectorized_local_updates(self.model, global_params, shards, local_training(self.cfg), generators)
         return [
-            self._reply(pid, server_round, sync_seed, r.num_examples, r.train_loss,
+            self._reply(pid, server_round, sync_seed, keep_prob, r.num_examples, r.train_loss,
                         [t.detach().cpu().numpy() for t in r.update])
             for pid, r in zip(partition_ids, results, strict=True)
         ]
@@ -114,14 +119,14 @@ class ClientTask:
         order_key = None if self.cfg.identical_shards else partition_id
         return torch.Generator().manual_seed(batch_order_seed(self.cfg.seed, server_round, order_key))
 
-    def _reply(self, partition_id: int, server_round: int, sync_seed: int | None, num_examples: int,
-               train_loss: float, update: list[np.ndarray]) -> ClientReply:
+    def _reply(self, partition_id: int, server_round: int, sync_seed: int | None, keep_prob: float | None,
+               num_examples: int, train_loss: float, update: list[np.ndarray]) -> ClientReply:
         return ClientReply(
             partition_id=partition_id,
             num_examples=num_examples,
             train_loss=train_loss,
             update=update,
-            keep=client_mask(self.cfg, server_round, partition_id, sync_seed, self.num_blocks),
+            keep=client_mask(self.cfg, server_round, partition_id, sync_seed, self.num_blocks, keep_prob),
         )
 
 

@@ -24,6 +24,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MASK_MODES = ("none", "independent", "synchronized")
 AGGREGATIONS = ("weighted", "uniform")
 DEVICES = ("auto", "cpu", "cuda")
+SERVER_STEPS = ("fedavg", "fedexp")
+SCHEDULES = ("fixed", "calibrated")
 PRECISIONS = ("float32", "tf32", "bf16", "float64")
 GRANULARITIES = ("tensor", "coordinate")
 FAULT_KINDS = ("raise", "nan", "inf", "shape", "dtype", "hang")
@@ -59,6 +61,11 @@ class RunConfig:
     mask_mode: str
     keep_prob: float
     aggregation: str
+    server_step: str
+    fedexp_epsilon: float
+    keep_prob_schedule: str
+    penalty_target: float
+    keep_prob_min: float
     eval_every: int
     test_subset: int
     eval_batch_size: int
@@ -129,6 +136,7 @@ class RunConfig:
             "float32, tf32 or bf16 with device = 'cuda' (float64 is the CPU-only reference precision)",
         )
         self._validate_measurements()
+        self._validate_server_step()
         _require(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0: from the client's CPUs)")
         _require(
             1 <= self.min_clients <= self.clients_per_round, "min-clients", self.min_clients,
@@ -145,6 +153,20 @@ class RunConfig:
         )
         self.fault_injections()  # parses or raises
         self._validate_data_dir()
+
+    def _validate_server_step(self) -> None:
+        _require(self.server_step in SERVER_STEPS, "server-step", self.server_step, f"one of {', '.join(SERVER_STEPS)}")
+        _require(math.isfinite(self.fedexp_epsilon) and self.fedexp_epsilon >= 0, "fedexp-epsilon",
+                 self.fedexp_epsilon, "a number >= 0 (FedExP's ε_0; the official code uses 0.001 on CIFAR-10)")
+        _require(self.keep_prob_schedule in SCHEDULES, "keep-prob-schedule", self.keep_prob_schedule,
+                 f"one of {', '.join(SCHEDULES)}")
+        if self.keep_prob_schedule == "calibrated":
+            _require(self.mask_mode == "synchronized", "keep-prob-schedule", self.keep_prob_schedule,
+                     f"'fixed' with mask-mode = {self.mask_mode!r}: the calibrated schedule sets the keep-prob "
+                     "of synchronized masks only")
+            _require(math.isfinite(self.penalty_target) and self.penalty_target > 0, "penalty-target",
+                     self.penalty_target, "a penalty c > 0 with keep-prob-schedule = 'calibrated'")
+        _require(0 < self.keep_prob_min <= 1, "keep-prob-min", self.keep_prob_min, "a probability in (0, 1]")
 
     def _validate_measurements(self) -> None:
         for key, value in (("curvature-every", self.curvature_every), ("flatness-every", self.flatness_every)):

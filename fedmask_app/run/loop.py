@@ -19,9 +19,12 @@ from fedmask_app.run.evaluation import Evaluator
 from fedmask_app.run.measurements import RoundMeasurements
 from fedmask_app.run.model import initial_parameters
 from fedmask_app.run.results import RunResults, run_metadata
+from fedmask_app.run.schedule import RoundSchedule
+from strategies.aggregate import ServerLr
 from strategies.round import RoundFailed, RoundOutcome
 
-TrainRound = Callable[[int, list[np.ndarray]], RoundOutcome]
+# (round, θ, the round's keep-prob, FedExP's η_g from the cohort's sums or None) -> outcome
+TrainRound = Callable[[int, list[np.ndarray], float, ServerLr | None], RoundOutcome]
 
 
 def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: Evaluator | None = None,
@@ -32,6 +35,7 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
     ``probe-file``."""
     measurements = RoundMeasurements(cfg, server_has_training_data)  # fails before any round when it cannot
     results, checkpoint = RunResults.open(cfg, run_metadata(cfg, engine, CONTENT_SHA256))
+    schedule = RoundSchedule(cfg, checkpoint.state if checkpoint is not None else None)
     if checkpoint is not None:
         params, first = checkpoint.params, checkpoint.server_round + 1
         echo(f"[fedmask] resuming {cfg.name} after round {checkpoint.server_round}")
@@ -43,12 +47,14 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
     for server_round in range(first, cfg.num_rounds + 1):
         started = time.perf_counter()
         try:
-            outcome = train_round(server_round, params)
+            keep_prob = schedule.keep_prob
+            outcome = train_round(server_round, params, keep_prob, schedule.server_lr(server_round))
         except RoundFailed as exc:
             echo(f"[fedmask] run stopped in round {server_round}: {exc}. Rounds 1-{server_round - 1} "
                  f"are in {results.rounds_path}" + (" and the last checkpoint" if cfg.checkpoint_every else ""))
             raise
         theta, params = params, outcome.result.params
+        schedule.observe(outcome.result)
         due = evaluator is not None and evaluator.due(server_round)
         test_loss, test_accuracy = evaluator(params) if due else (float("nan"),) * 2
         seconds = time.perf_counter() - started  # the measurements time themselves
@@ -65,6 +71,8 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
             "num_failures": outcome.num_failures,
             "cohort": " ".join(map(str, outcome.result.partition_ids)),
             "seconds": round(seconds, 3),
+            "server_lr": outcome.result.server_lr,
+            "keep_prob_round": keep_prob if cfg.mask_mode != "none" else "",
             **measured,
         })
         echo(
@@ -76,7 +84,7 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
             + f"  {seconds:.1f}s"
         )
         if cfg.checkpoint_every and (server_round % cfg.checkpoint_every == 0 or server_round == cfg.num_rounds):
-            results.save_checkpoint(server_round, params)
+            results.save_checkpoint(server_round, params, schedule.state())
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     echo(f"[fedmask] done: {results.rounds_path} (peak RSS of this {engine} server process: {peak_mib:.0f} MiB)")
     return params

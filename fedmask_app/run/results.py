@@ -33,6 +33,7 @@ class ResultsError(RuntimeError):
 class Checkpoint:
     server_round: int
     params: list[np.ndarray]
+    state: dict  # what the round schedule carries over (e.g. the calibrated keep-prob)
 
 
 # Keys that do not change a run's numbers: a resume may differ in them.
@@ -156,14 +157,15 @@ class RunResults:
             f.flush()
             os.fsync(f.fileno())
 
-    def save_checkpoint(self, server_round: int, params: list[np.ndarray]) -> None:
-        """The global model after ``server_round``; every random draw is derived from
-        (seed, round, partition id), so the round and θ are all a resume needs."""
-        state = {"round": server_round, "params": [torch.from_numpy(np.ascontiguousarray(p)) for p in params]}
+    def save_checkpoint(self, server_round: int, params: list[np.ndarray], state: dict | None = None) -> None:
+        """The global model after ``server_round`` and the schedule's state; every random draw is
+        derived from (seed, round, partition id), so that is all a resume needs."""
+        state = {"round": server_round, "params": [torch.from_numpy(np.ascontiguousarray(p)) for p in params],
+                 "schedule": dict(state or {})}
         atomic_write(self.checkpoint_path, lambda f: torch.save(state, f))
 
     def load_checkpoint(self) -> Checkpoint | None:
         if not self.checkpoint_path.is_file():
             return None
         state = torch.load(self.checkpoint_path, weights_only=True)
-        return Checkpoint(int(state["round"]), [t.numpy() for t in state["params"]])
+        return Checkpoint(int(state["round"]), [t.numpy() for t in state["params"]], dict(state.get("schedule", {})))

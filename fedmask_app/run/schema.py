@@ -8,7 +8,7 @@ SHARDS_FILE = "shards.csv"  # optional: partition_id,num_examples per client (fe
 ROUND_COLUMNS = (
     "round", "recovery", "recovery_weighted", "mean_sq_norm", "sq_norm_of_mean", "sigma2_hat", "mu2_hat",
     "test_accuracy", "test_loss", "train_loss", "num_clients", "num_examples", "num_failures", "cohort",
-    "seconds",
+    "seconds", "server_lr", "keep_prob_round",
 )
 # The server's measurements (fedmask_app/measure; empty cells on rounds without them).
 CURVATURE_ESTIMATES = (

@@ -65,6 +65,8 @@ def train(msg: Message, context: Context) -> Message:
         from fedmask_app.engines.flower.fast.transport import ReplyBuffers
 
         buffers = ReplyBuffers.in_ray(config, params)
-    reply = task.train(partition_id, int(config["server-round"]), params, sync_seed, buffers and buffers.arrays)
+    keep_prob = float(config["keep-prob"]) if "keep-prob" in config else None
+    reply = task.train(partition_id, int(config["server-round"]), params, sync_seed, buffers and buffers.arrays,
+                       keep_prob=keep_prob)
     update = buffers.record(reply.update) if buffers else None  # None: message_from_reply builds one
     return Message(content=message_from_reply(reply, update), reply_to=msg)

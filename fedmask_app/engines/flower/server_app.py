@@ -12,6 +12,7 @@ from flwr.superlink.grid import InMemoryGrid
 
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.loop import run_rounds
+from strategies.aggregate import ServerLr
 from strategies.masked_fedavg import MaskedFedAvg, record_from_arrays
 from strategies.round import RoundOutcome
 
@@ -64,13 +65,16 @@ class FlowerRounds:
             node_wait=SIMULATION_NODE_WAIT if simulation else None,
         )
 
-    def __call__(self, server_round: int, params: list[np.ndarray]) -> RoundOutcome:
+    def __call__(
+        self, server_round: int, params: list[np.ndarray], keep_prob: float, server_lr: ServerLr | None
+    ) -> RoundOutcome:
         arrays = self.transport.global_record(params)
-        messages = self.strategy.configure_train(server_round, arrays, ConfigRecord(), self.grid)
+        config = ConfigRecord({"keep-prob": keep_prob})
+        messages = self.strategy.configure_train(server_round, arrays, config, self.grid)
         replies: list[Message] = []
         try:
             replies = self.transport.exchange(self.grid, messages, self.round_timeout)
-            return self.strategy.round_outcome(server_round, replies)
+            return self.strategy.round_outcome(server_round, replies, server_lr)
         finally:
             self.transport.end_round(replies)
 
