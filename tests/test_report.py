@@ -18,13 +18,22 @@ from flwr_runner import SHARED_DATA
 from fedmask_app import report
 from fedmask_app.cli import report as report_cli
 
+
+def write_shards(run_dir, sizes) -> None:
+    """shards.csv as the run writes it (RunResults.write_shards)."""
+    (Path(run_dir) / "shards.csv").write_text(
+        "partition_id,num_examples\n" + "".join(f"{i},{n}\n" for i, n in enumerate(sizes))
+    )
+
 NAN = float("nan")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROJECT = Path(__file__).resolve().parents[1]
 
 
-def write_run(root: Path, name: str, config: dict, rows: list[dict], tail: str = "") -> Path:
-    """A run folder as fedmask_app.run.results writes it: config.json and rounds.csv (NaN -> empty cell)."""
+def write_run(root: Path, name: str, config: dict, rows: list[dict], tail: str = "", engine: str | None = None,
+              drop: tuple[str, ...] = ()) -> Path:
+    """A run folder as fedmask_app.run.results writes it: config.json and rounds.csv (NaN -> empty cell).
+    Row keys beyond ROUND_COLUMNS become extra columns; ``drop`` leaves run-config keys out (older runs)."""
     run_dir = root / name
     run_dir.mkdir(parents=True)
     run_config = {
@@ -32,9 +41,12 @@ def write_run(root: Path, name: str, config: dict, rows: list[dict], tail: str =
         "local-epochs": 2, "batch-size": 32, "mask-mode": "none", "eval-every": 1, "data-dir": "/data",
         "output-dir": str(root), "run-name": name, "resume": True, **config,
     }
-    (run_dir / "config.json").write_text(json.dumps({"run_config": run_config, "run_name": name}))
+    run_config = {k: v for k, v in run_config.items() if k not in drop}
+    meta = {"run_config": run_config, "run_name": name, **({"engine": engine} if engine else {})}
+    (run_dir / "config.json").write_text(json.dumps(meta))
+    extra = list(dict.fromkeys(k for row in rows for k in row if k not in report.ROUND_COLUMNS))
     with (run_dir / "rounds.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=report.ROUND_COLUMNS, lineterminator="\n")
+        writer = csv.DictWriter(f, fieldnames=[*report.ROUND_COLUMNS, *extra], lineterminator="\n")
         writer.writeheader()
         for row in rows:
             full = {"recovery_weighted": row["recovery"] + 0.5, "mean_sq_norm": 1.0, "sq_norm_of_mean": 0.5,
@@ -91,6 +103,10 @@ def test_window_median_pct_below_1_and_incomplete_runs(runs_root):
     assert seed0["sigma2_hat"] == pytest.approx(5.0) and seed0["mu2_hat"] == pytest.approx(7.5)
     assert seed0["test_accuracy"] == pytest.approx(0.5)  # the NaN of round 4 is skipped
     assert seed0["pct_below_1"] == pytest.approx(25.0)
+    assert seed0["pct_below_1_all"] == pytest.approx(100 / 6)  # rounds 1-6: [5, 5, 0.5, 2, 3, 4]
+    assert seed0["short_rounds"] == 0 and not seed0["many_short"]
+    assert math.isnan(seed0["T_min"]) and full["T_min"] == full["T_max"] == 5  # no shards.csv; full batch: tau
+    assert "rho_h" not in runs.columns  # no measurement columns in these runs
     assert seed1["recovery"] == pytest.approx(1.0) and seed1["pct_below_1"] == pytest.approx(50.0)
     assert seed0["mean_shard"] == pytest.approx(500.0) and seed0["T"] == 2 * 16
     assert full["recovery"] == pytest.approx(8.5) and full["T"] == 5
@@ -104,6 +120,7 @@ def test_cell_median_across_seeds_and_T(runs_root):
     assert (bs32["tau"], bs32["alpha"], bs32["n_seeds"], bs32["n_runs"], bs32["n_incomplete"]) == (2, 100.0, 2, 2, 1)
     assert bs32["recovery"] == pytest.approx(1.75)
     assert bs32["pct_below_1"] == pytest.approx(37.5)
+    assert bs32["pct_below_1_all"] == pytest.approx((100 / 6 + 25) / 2)  # seed 1: [5, 5, 0.8, 1.2] -> 25 %
     assert bs32["n_k"] == pytest.approx(490.0) and bs32["T"] == 2 * math.ceil(490 / 32)
     assert cells.loc["full", "T"] == 5 and cells.loc["full", "n_seeds"] == 1
 
@@ -183,6 +200,201 @@ def test_report_errors(tmp_path, runs_root, capsys):
 
     with pytest.raises(SystemExit):
         report_cli.main([str(runs_root), "--window", "0"])
+
+
+def test_short_rounds_are_left_out_of_the_recovery_statistics_and_counted(tmp_path, capsys):
+    """Window rounds 3-6; rounds 4 and 6 have 8 and 9 of K_c = 10 good replies.
+
+    Full window rounds 3 and 5: recovery [0.5, 3] -> 1.75, recovery_weighted [1, 3.5] -> 2.25,
+    sigma2 [1, 6] -> 3.5, mu2 [1.5, 9] -> 5.25, pct_below_1 50 %; all full rounds 1, 2, 3, 5:
+    [5, 5, 0.5, 3] -> pct_below_1_all 25 %. test_accuracy over every window round [.3, .4, .5, .6] -> 0.45.
+    2 short of 4 window rounds > 10 %: many_short. Seed 1 has no short round: the cell counts 2.
+    """
+    write_run(tmp_path, "short", {"seed": 0}, rows(
+        [5, 5, 0.5, 0.2, 3, 9], num_clients=[10, 10, 10, 8, 10, 9], test_accuracy=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]))
+    write_run(tmp_path, "fine", {"seed": 1}, rows([5, 5, 1, 1, 1, 1]))
+    runs = report.run_summary(report.load_runs([tmp_path]), window=4).set_index("run_name")
+    short = runs.loc["short"]
+    assert (short["window_rounds"], short["full_rounds"], short["short_rounds"]) == (4, 2, 2)
+    assert short["many_short"] and not runs.loc["fine", "many_short"]
+    assert short["recovery"] == pytest.approx(1.75) and short["recovery_weighted"] == pytest.approx(2.25)
+    assert short["sigma2_hat"] == pytest.approx(3.5) and short["mu2_hat"] == pytest.approx(5.25)
+    assert short["pct_below_1"] == pytest.approx(50.0) and short["pct_below_1_all"] == pytest.approx(25.0)
+    assert short["test_accuracy"] == pytest.approx(0.45)
+
+    cells = report.cell_summary(runs.reset_index())
+    assert (cells.loc[0, "short_rounds"], cells.loc[0, "n_many_short"]) == (2, 1)
+    assert cells.loc[0, "recovery"] == pytest.approx((1.75 + 1) / 2)
+    assert "2 short rounds left out" in report.format_table(cells)
+    assert "full rounds only" in report.table_note(cells)
+
+    assert report_cli.main([str(tmp_path), "--window", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "short" in err and "2 of its 4 window rounds had fewer than K_c = 10" in err
+
+
+def test_one_short_round_in_ten_is_not_many(tmp_path):
+    write_run(tmp_path, "a", {"num-rounds": 10}, rows([2] * 10, num_clients=[10] * 9 + [9]))
+    run = report.run_summary(report.load_runs([tmp_path]), window=10).iloc[0]
+    assert run["short_rounds"] == 1 and not run["many_short"]  # 10 % is not more than 10 %
+
+
+def test_T_range_from_shards_csv(tmp_path, capsys):
+    """bs 32, tau 2, window rounds 3-6. Seed 0: shards [20, 100, 1000, 3000, 64], window cohorts use
+    clients 0, 1, 2, 4 (client 3 only before the window) -> n_k 20..1000 -> T 2*1 = 2 .. 2*32 = 64.
+    Seed 1: shards [40, 50, 60, 70, 80], cohorts "3 4" -> 70..80 -> T 6 .. 6. Cell: 2 .. 64.
+    α = 0.1 cell: one run without shards.csv -> NaN. Full batch: T = tau = 5 either way."""
+    a = write_run(tmp_path, "a", {"seed": 0}, rows([1] * 6, cohort=["3", "3", "0 1", "1 2", "2 4", "1 4"]))
+    b = write_run(tmp_path, "b", {"seed": 1}, rows([1] * 6, cohort=["3 4"] * 6))
+    write_shards(a, [20, 100, 1000, 3000, 64])
+    write_shards(b, [40, 50, 60, 70, 80])
+    write_run(tmp_path, "c", {"alpha": 0.1}, rows([1] * 6))
+    write_run(tmp_path, "d", {"batch-size": "full", "local-epochs": 5}, rows([1] * 6))
+    assert (a / "shards.csv").read_text().splitlines()[:2] == ["partition_id,num_examples", "0,20"]
+    assert list(report.read_shards(a)) == [20, 100, 1000, 3000, 64]
+
+    rounds = report.load_runs([tmp_path])
+    assert list(rounds[rounds["run_name"] == "a"]["shard_max"]) == [3000, 3000, 100, 1000, 1000, 100]
+    runs = report.run_summary(rounds, window=4).set_index("run_name")
+    assert (runs.loc["a", "T_min"], runs.loc["a", "T_max"]) == (2, 64)
+    assert (runs.loc["b", "T_min"], runs.loc["b", "T_max"]) == (6, 6)
+    assert math.isnan(runs.loc["c", "T_min"]) and (runs.loc["d", "T_min"], runs.loc["d", "T_max"]) == (5, 5)
+    cells = report.cell_summary(runs.reset_index()).set_index("cell")
+    bs32 = cells.loc["bs=32 τ=2 α=100"]
+    assert (bs32["T_min"], bs32["T_max"]) == (2, 64)
+    assert math.isnan(cells.loc["bs=32 τ=2 α=0.1", "T_max"])
+
+    (a / "shards.csv").write_text("partition_id,num_examples\n0,20\n")  # lacks the cohorts' other clients
+    with pytest.warns(UserWarning, match="shards.csv not used"):
+        rounds = report.load_runs([a])
+    assert rounds["shard_min"].isna().all()
+    assert report_cli.main([str(tmp_path / "c"), "--window", "4"]) == 0
+    assert "without a usable shards.csv" in capsys.readouterr().err
+
+
+def test_protocol_note_names_every_deviation(tmp_path):
+    write_run(tmp_path, "a", {"num-rounds": 6, "test-subset": 1000, "model": "resnet18-gn", "bf16": True,
+                              "max-shard-size": 500, "clients-per-round": 5, "aggregation": "uniform"},
+              rows([1] * 6, num_clients=[5] * 6), engine="vectorized")
+    cells = report.cell_summary(report.run_summary(report.load_runs([tmp_path]), window=4))
+    note = report.protocol_note(cells)
+    for part in ("reduced protocol: 6 rounds, window 4", "1 seed(s) per cell (paper 3)",
+                 "test accuracy on 1000 of the 10000 test images", "model resnet18-gn (ResNet-18/GN with "
+                 "torchvision's ImageNet stem", "precision bf16", "engine vectorized",
+                 "shards capped at 500 examples", "K_c = 5 a round (paper 10)", "uniform aggregation",
+                 "local training is plain SGD"):
+        assert part in note, part
+    assert "K = " not in note and "lr " not in note and "masks" not in note
+
+    paper = pd.DataFrame([{"num_rounds": 200, "window": 50, "n_seeds": 3, "test-subset": 0, "precision": "float32",
+                           "model": "resnet18-gn-cifar", "engine": "flower", "max-shard-size": 0, "num-clients": 100,
+                           "clients-per-round": 10, "lr": 0.01, "aggregation": "weighted", "mask-mode": "none",
+                           "server-step": "fedavg", "identical-shards": False}])
+    assert report.protocol_deviations(paper) == [
+        "model resnet18-gn-cifar (ResNet-18/GN with a 3×3/1 CIFAR stem, no max-pool) (paper: ResNet-18/GN, stem not "
+        "stated)",
+        "engine flower", report.protocol.LOCAL_TRAINING]
+    assert report.protocol_note(paper).startswith("paper protocol: 200 rounds, window 50. Differs from the paper")
+
+
+def test_older_runs_share_a_cell_with_runs_that_spell_out_the_new_keys(tmp_path):
+    write_run(tmp_path, "old", {"seed": 0, "bf16": False}, rows([1] * 6), drop=("mask-mode",))
+    write_run(tmp_path, "new", {"seed": 1, "precision": "float32", "server-step": "fedavg", "fedexp-epsilon": 0.001,
+                                "keep-prob-schedule": "fixed", "vectorize": True}, rows([3] * 6))
+    write_run(tmp_path, "bf16", {"seed": 0, "bf16": True}, rows([5] * 6))
+    cells = report.cell_summary(report.run_summary(report.load_runs([tmp_path]), window=4)).set_index("precision")
+    assert cells.loc["float32", "n_seeds"] == 2 and cells.loc["float32", "recovery"] == pytest.approx(2.0)
+    assert cells.loc["bf16", "n_seeds"] == 1 and "bf16" not in cells.columns
+
+
+def _measured(**columns) -> list[dict]:
+    """Six rounds with measurement columns (NaN where not measured); round 6 is short (9 replies)."""
+    return rows([1, 1, 1, 1, 1, 1], num_clients=[10] * 5 + [9], **columns)
+
+
+def test_curvature_medians_over_measured_rounds_only(tmp_path, capsys):
+    """Window rounds 3-6. rho_h measured on 3, 5 and the short round 6: [1.2, 2.0] -> 1.6 (full rounds);
+    rho_h_flag: 3 ok, 4 not significant (its value 100 is left out), 5 ok (6 short: left out) -> 3 measured,
+    1 flagged; rho_h_se [0.1, 0.3] -> 0.2.
+    hessian_lambda_max on 3, 5, 6 (a model measurement: short rounds count) [10, 30, 50] -> 30; final 50.
+    A second seed of an older run has none of the columns: the cell's median is seed 0's."""
+    write_run(tmp_path, "new", {"seed": 0}, _measured(
+        rho_h=[NAN, NAN, 1.2, 100.0, 2.0, 9.0], rho_h_se=[NAN, NAN, 0.1, 50.0, 0.3, 0.2],
+        rho_h_flag=["", "", "ok", "denominator_not_significant", "ok", "ok"],
+        hessian_lambda_max=[NAN, NAN, 10.0, NAN, 30.0, 50.0], server_lr=[1, 1, 2, 2, 2, 4]))
+    write_run(tmp_path, "old", {"seed": 1}, rows([1] * 6))
+    unmeasured = write_run(tmp_path / "u", "unmeasured", {}, _measured(rho_h=[NAN] * 6, rho_h_flag=[""] * 6))
+    alone = report.run_summary(report.load_runs([unmeasured]), window=4).iloc[0]  # flags: an all-empty column
+    assert (alone["rho_h_measured"], alone["rho_h_flagged"]) == (0, 0) and math.isnan(alone["rho_h"])
+    runs = report.run_summary(report.load_runs([tmp_path / "new", tmp_path / "old"]), window=4).set_index("run_name")
+    new, old = runs.loc["new"], runs.loc["old"]
+    assert new["rho_h"] == pytest.approx(1.6) and new["rho_h_se"] == pytest.approx(0.2)
+    assert (new["rho_h_measured"], new["rho_h_flagged"]) == (3, 1)
+    assert new["hessian_lambda_max"] == pytest.approx(30.0) and new["final_lambda_max"] == pytest.approx(50.0)
+    assert new["server_lr"] == pytest.approx(2.0)  # [2, 2, 2, 4]
+    assert math.isnan(old["rho_h"]) and math.isnan(old["final_lambda_max"])
+    cells = report.cell_summary(runs.reset_index())
+    assert cells.loc[0, "rho_h"] == pytest.approx(1.6) and cells.loc[0, "rho_h_flagged"] == 1
+    assert "penalty_sync" not in cells  # no run has it
+    shown = report.table_columns(cells)
+    assert {"rho_h", "rho_h_se", "rho_h_measured", "rho_h_flagged", "hessian_lambda_max", "server_lr"} <= set(shown)
+
+    out = tmp_path / "report"
+    assert report_cli.main([str(tmp_path / "new"), str(tmp_path / "old"), "--window", "4", "--out", str(out)]) == 0
+    assert "curvature and flatness" in capsys.readouterr().out
+    assert (out / "curvature.png").read_bytes()[:8] == PNG_MAGIC
+    assert not (out / "comparison.png").exists()  # the runs do not differ in mask-mode or server-step
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_curvature_figure_is_a_png(tmp_path, sign):
+    """All penalties positive: log-log; one negative: symlog."""
+    cells = pd.DataFrame([
+        {"cell": "A", "recovery_weighted": 1.2, "rho_h": 1.5, "rho_h_se": 0.2, "rho_direct": 1.4, "rho_direct_se": 0.3,
+         "penalty_sync": 2e-3, "penalty_sync_se": 1e-4, "penalty_sync_pred": 2.2e-3,
+         "penalty_ind": sign * 1e-3, "penalty_ind_se": 1e-4, "penalty_ind_pred": 1.1e-3},
+        {"cell": "B", "recovery_weighted": 4.0, "rho_h": 3.0, "rho_h_se": NAN, "rho_direct": NAN, "rho_direct_se": NAN,
+         "penalty_sync": NAN, "penalty_sync_se": NAN, "penalty_sync_pred": NAN,
+         "penalty_ind": NAN, "penalty_ind_se": NAN, "penalty_ind_pred": NAN},
+    ])
+    fig = report.curvature_figure(cells, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:8] == PNG_MAGIC
+    assert fig.axes[1].get_xscale() == ("log" if sign > 0 else "symlog")
+
+
+def test_comparison_table_and_figure(tmp_path, capsys):
+    """Cell FedAvg: an older run without mask-mode/keep-prob keys (seed 0) and one with them (seed 1):
+    test accuracy [.2 .. .5] and [.1, .3, .6, .4, .5, .45] -> final 0.5 / 0.45 (median 0.475, min 0.45,
+    max 0.5), best 0.5 / 0.6 (median 0.55); train loss last 0.7 / 0.9 -> 0.8; recovery 2 / 4 -> 3.
+    Cell synchronized p=0.5: one seed, final accuracy 0.6, λ_max last measured 7 (round 4; 6 is empty)."""
+    common = {"train_loss": [1, 1, 1, 1, 1, 0.7]}
+    write_run(tmp_path, "old", {"seed": 0}, rows([2] * 6, test_accuracy=[.2, .2, .3, .4, .5, .5], **common),
+              drop=("mask-mode",))
+    write_run(tmp_path, "new", {"seed": 1, "keep-prob": 0.5, "server-step": "fedavg"}, rows(
+        [4] * 6, test_accuracy=[.1, .3, .6, .4, .5, .45], train_loss=[1, 1, 1, 1, 1, 0.9]))
+    write_run(tmp_path, "masked", {"mask-mode": "synchronized"}, rows(
+        [1] * 6, test_accuracy=[.1, .2, .3, .4, .5, .6], hessian_lambda_max=[NAN, 9, NAN, 7, NAN, NAN]))
+    runs = report.run_summary(report.load_runs([tmp_path]), window=4)
+    assert report.compares_training(runs)
+    table = report.comparison_table(runs)
+    assert list(table["mask-mode"]) == ["none", "synchronized"]  # unmasked FedAvg first
+    fedavg, masked = table.iloc[0], table.iloc[1]
+    assert (fedavg["n_seeds"], fedavg["keep-prob"], fedavg["server-step"]) == (2, 0.5, "fedavg")
+    assert fedavg["final_test_accuracy"] == pytest.approx(0.475)
+    assert (fedavg["final_test_accuracy_min"], fedavg["final_test_accuracy_max"]) == pytest.approx((0.45, 0.5))
+    assert fedavg["best_test_accuracy"] == pytest.approx(0.55)
+    assert fedavg["final_train_loss"] == pytest.approx(0.8) and fedavg["recovery"] == pytest.approx(3.0)
+    assert (fedavg["recovery_min"], fedavg["recovery_max"]) == (2.0, 4.0)
+    assert math.isnan(fedavg["final_lambda_max"])
+    assert masked["final_test_accuracy"] == pytest.approx(0.6) and masked["final_lambda_max"] == pytest.approx(7.0)
+
+    out = tmp_path / "report"
+    assert report_cli.main([str(tmp_path), "--window", "4", "--out", str(out)]) == 0
+    assert "masking comparison" in capsys.readouterr().out
+    written = pd.read_csv(out / "comparison.csv")
+    assert written["final_test_accuracy"].tolist() == pytest.approx([0.475, 0.6])
+    assert (out / "comparison.png").read_bytes()[:8] == PNG_MAGIC
+    assert not (out / "curvature.png").exists()  # no run has rho_h
 
 
 @pytest.mark.slow

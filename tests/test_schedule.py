@@ -35,6 +35,8 @@ def test_fedexp_records_its_step_from_the_rounds_statistics(tmp_path):
     want = np.maximum(1.0, rows["mean_sq_norm"] / (2 * (rows["sq_norm_of_mean"] + k * eps)))
     np.testing.assert_allclose(rows["server_lr"], want, rtol=1e-9)
     assert (rows["server_lr"] > 1).any()  # it extrapolated at least once
+    shards = pd.read_csv(cfg.run_dir / "shards.csv")  # the report's T range reads it
+    assert shards["partition_id"].tolist() == list(range(8)) and shards["num_examples"].between(1, 8).all()
 
 
 def test_calibrated_keep_prob_follows_the_last_rounds_proxy_and_survives_a_resume(tmp_path):

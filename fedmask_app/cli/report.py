@@ -2,10 +2,17 @@
 
 Per run: the median over its last --window rounds (rounds num-rounds - window + 1 .. num-rounds
 that are present) of 1/ΔS (uniform and n_k-weighted), ‖μ̂‖², σ̂² and test accuracy, and the share
-(%) of those rounds with 1/ΔS < 1. Per cell (every run-config key that defines the measurement,
-seed excepted): the median across seeds. T is the number of local SGD steps per round for the
-mean shard size n_k of the window's cohorts: tau for bs = full, else tau * ceil(n_k / bs).
-Writes summary.csv (one row per cell) and fig1.png into --out.
+(%) of those rounds with 1/ΔS < 1 (pct_below_1; pct_below_1_all over all rounds). The recovery
+statistics use full rounds only (every one of the K_c clients replied); short_rounds counts the
+others, and a run with more than 10% of its window short is warned about. Per cell (every
+run-config key that defines the measurement, seed excepted): the median across seeds. T is the
+number of local SGD steps per round for the mean shard size n_k of the window's cohorts: tau for
+bs = full, else tau * ceil(n_k / bs); T_min-T_max its range over the window's clients (from each
+run's shards.csv). Curvature and flatness measurements: their median over the window rounds that
+have them.
+
+Writes into --out: summary.csv (one row per cell) and fig1.png; curvature.png when any run has
+ρ_H values; comparison.csv and comparison.png when the runs differ in mask-mode or server-step.
 """
 
 from __future__ import annotations
@@ -53,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         _warn(f"incomplete run {run['run']}: {run['rounds_completed']} of {run['num_rounds']} rounds, "
               f"{run['window_rounds']} in the window (rounds {run['window_start']}-{run['num_rounds']}); "
               "included, flagged in the table")
+    for _, run in runs[runs["many_short"].astype(bool)].iterrows():
+        _warn(f"run {run['run']}: {run['short_rounds']} of its {run['window_rounds']} window rounds had fewer than "
+              f"K_c = {run['K_c']} good replies (> {report.SHORT_ROUNDS_LIMIT:.0%}); they are left out of its "
+              "recovery statistics")
+    no_shards = runs[runs["T_min"].isna() & (runs["bs"] != "full")]
+    if len(no_shards):
+        _warn(f"{len(no_shards)} run(s) without a usable shards.csv: T_min/T_max unknown for their cells")
     cells = report.cell_summary(runs)
     duplicates = cells[cells["n_runs"] > cells["n_seeds"]]
     for _, cell in duplicates.iterrows():
@@ -61,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     print(f"{len(runs)} runs in {len(cells)} cells; {report.protocol_note(cells)}")
-    print("per run: median over the window rounds; per cell: median across seeds. T = local SGD steps per round "
-          "for the mean shard n_k of the window's cohorts (tau for bs=full, else tau*ceil(n_k/bs)); "
-          "pct_below_1 = % of window rounds with recovery < 1; test_accuracy is a fraction.")
-    print(report.format_table(cells))
+    print(report.table_note(cells))
+    print(report.format_table(cells, report.table_columns(cells, measurements=False)))
+    measured = report.measurement_columns(cells)
+    if measured:
+        print("\ncurvature and flatness (same cells, the per-cell table's last columns):")
+        print(report.format_table(cells, ["bs", "tau", "alpha", *report.varying_keys(cells), *measured]))
 
     if reference is not None:
         cells = report.join_reference(cells, reference)
@@ -76,10 +92,20 @@ def main(argv: list[str] | None = None) -> int:
         if len(unmatched):
             _warn(f"{len(unmatched)} reference row(s) match no cell: {unmatched.to_dict('records')}")
 
-    csv_path, fig_path = out / "summary.csv", out / "fig1.png"
-    cells.drop(columns=["cell_id"], errors="ignore").to_csv(csv_path, index=False)
-    report.fig1(cells, fig_path)
-    print(f"\nwrote {csv_path} and {fig_path}")
+    written = [out / "summary.csv", out / "fig1.png"]
+    cells.drop(columns=["cell_id"], errors="ignore").to_csv(written[0], index=False)
+    report.fig1(cells, written[1])
+    if report.has_curvature(rounds):
+        written.append(out / "curvature.png")
+        report.curvature_figure(cells, written[-1])
+    if report.compares_training(runs):
+        table = report.comparison_table(runs)
+        print(f"\nmasking comparison ({report.SPREAD_NOTE}):")
+        print(report.format_comparison(table))
+        written += [out / "comparison.csv", out / "comparison.png"]
+        table.to_csv(written[-2], index=False)
+        report.comparison_figure(rounds, runs, written[-1])
+    print(f"\nwrote {', '.join(map(str, written))}")
     return 0
 
 

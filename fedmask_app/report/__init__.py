@@ -1,9 +1,22 @@
-"""Reading results the way the paper does: run folders as data (runs), per-run and per-cell
-medians and their table (tables), a reference join (reference), Fig. 1 (figures). No torch."""
+"""Reading results the way the paper does: run folders as data (runs, shards), per-run and per-cell
+medians and their table (tables), what differs from the paper's protocol (protocol), a reference
+join (reference), Fig. 1 (figures), the server's curvature measurements (curvature) and the masking
+comparison (comparison). No torch."""
 
+from fedmask_app.report.comparison import (
+    SPREAD_NOTE,
+    TRAINING_KEYS,
+    compares_training,
+    comparison_figure,
+    comparison_table,
+    format_comparison,
+)
+from fedmask_app.report.curvature import MEASURES, curvature_figure, has_curvature, measurement_columns
 from fedmask_app.report.figures import decomposition_curve, fig1
+from fedmask_app.report.protocol import protocol_deviations, protocol_note
 from fedmask_app.report.reference import join_reference, read_reference, unmatched_reference
 from fedmask_app.report.runs import (
+    CONFIG_DEFAULTS,
     KEYS,
     METRICS,
     NOT_CELL_KEYS,
@@ -16,21 +29,28 @@ from fedmask_app.report.runs import (
     find_run_dirs,
     load_runs,
 )
+from fedmask_app.report.shards import SHARDS_COLUMNS, read_shards
 from fedmask_app.report.tables import (
+    RECOVERY_METRICS,
+    SHORT_ROUNDS_LIMIT,
     cell_labels,
     cell_rounds,
     cell_summary,
     format_table,
     incomplete_runs,
     local_steps,
-    protocol_note,
     run_summary,
     table_columns,
+    table_note,
+    varying_keys,
 )
 
 __all__ = [
-    "KEYS", "METRICS", "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW", "REPORTED", "ROUND_COLUMNS", "SummaryError",
-    "cell_labels", "cell_rounds", "cell_summary", "config_keys", "decomposition_curve", "fig1", "find_run_dirs",
-    "format_table", "incomplete_runs", "join_reference", "load_runs", "local_steps", "protocol_note",
-    "read_reference", "run_summary", "table_columns", "unmatched_reference",
+    "CONFIG_DEFAULTS", "KEYS", "MEASURES", "METRICS", "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW",
+    "RECOVERY_METRICS", "REPORTED", "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE",
+    "TRAINING_KEYS", "SummaryError", "cell_labels", "cell_rounds", "cell_summary", "compares_training",
+    "comparison_figure", "comparison_table", "config_keys", "curvature_figure", "decomposition_curve", "fig1",
+    "find_run_dirs", "format_comparison", "format_table", "has_curvature", "incomplete_runs", "join_reference",
+    "load_runs", "local_steps", "measurement_columns", "protocol_deviations", "protocol_note", "read_reference",
+    "read_shards", "run_summary", "table_columns", "table_note", "unmatched_reference", "varying_keys",
 ]

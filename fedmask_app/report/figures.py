@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,10 +13,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from fedmask_app.report.runs import (
-    bs_order,
-)
-from fedmask_app.report.tables import protocol_note
+from fedmask_app.report.protocol import protocol_note
+from fedmask_app.report.runs import bs_order
 
 
 def decomposition_curve(r, k):
@@ -81,7 +80,7 @@ def fig1(cells: pd.DataFrame, path: str | Path | None = None):
     lines = [
         "Recovery factor vs test accuracy (Fig. 1)",
         f"per run: median of the last {int(cells['window'].iloc[0])} rounds; per cell: median over {seed_text} seed(s)",
-        protocol_note(cells),
+        textwrap.fill(protocol_note(cells), 95),
     ]
     if cells.get("n_incomplete", pd.Series([0])).sum():
         lines.append("* cell includes incomplete runs")

@@ -17,28 +17,54 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedmask_app.run.schema import CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE
+from fedmask_app.report.shards import cohort_shard_range, read_shards
+from fedmask_app.run.schema import CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE, SHARDS_FILE
 
 # The statistics the paper reports per configuration (median over the window, then over seeds).
 METRICS = ("recovery", "recovery_weighted", "mu2_hat", "sigma2_hat", "test_accuracy")
 REPORTED = (*METRICS, "pct_below_1")
 # The paper's table keys: batch size, local epochs, Dirichlet concentration.
 KEYS = ("bs", "tau", "alpha")
-# Columns load_runs adds to the per-round rows besides rounds.csv's and the run-config keys.
-META_COLUMNS = ("run", "run_name", "bs", "tau", "K_c")
+# Columns load_runs adds to the per-round rows besides rounds.csv's and the run-config keys:
+# engine is config.json's "engine"; shard_min / shard_max the round's smallest and largest n_k
+# (from shards.csv, NaN without it).
+META_COLUMNS = ("run", "run_name", "bs", "tau", "K_c", "engine", "shard_min", "shard_max")
 # Run-config keys that do not define a cell: the seed (the cell's median runs across it) and the
 # keys that only say where or how a run executes, not what it measures.
+# (vectorize: the vectorised cohort step equals the sequential one; curvature-every / flatness-every:
+# how often the server measures, not what.)
 NOT_CELL_KEYS = frozenset({
     "seed", "run-name", "output-dir", "resume", "data-dir", "device", "threads", "checkpoint-every",
-    "eval-batch-size", "eval-every", "round-timeout", "min-clients", "fast-simulation",
+    "eval-batch-size", "eval-every", "round-timeout", "min-clients", "fast-simulation", "vectorize",
+    "curvature-every", "flatness-every",
 })
+# Values of run-config keys that older runs lack: what such a run did (each key came with a default
+# that keeps the earlier behaviour), so that old and new runs of one configuration share a cell.
+# "precision" is derived from the older bool key "bf16" (True: "bf16", else "float32"), which it replaces.
+CONFIG_DEFAULTS = {
+    "mask-mode": "none", "keep-prob": 0.5, "server-step": "fedavg", "keep-prob-schedule": "fixed",
+    "fedexp-epsilon": 0.001, "penalty-target": 0.0, "keep-prob-min": 0.1, "probe-size": 128, "probe-file": "",
+    "curvature-probes": 8, "penalty-draws": 16, "mask-granularity": "tensor", "flatness-probes": 8,
+    "lanczos-tol": 0.001, "lanczos-max-iter": 20,
+}
 PAPER_ROUNDS, PAPER_WINDOW = 200, 50
-# Columns run_summary and cell_summary compute (everything else in their frames is a run-config key).
-_DERIVED = frozenset({
-    *META_COLUMNS, *REPORTED, "num_rounds", "rounds_completed", "last_round", "complete", "window", "window_start",
-    "window_rounds", "mean_shard", "T", "cell_id", "cell", "n_k", "n_seeds", "n_runs", "n_incomplete", "bs", "tau",
-    "alpha",
-})
+# Single-word columns run_summary and cell_summary compute or show apart. Run-config keys are
+# kebab-case (RunConfig's field names with "-" for "_"), so no key contains "_": every column with
+# an underscore is a statistic, every other column not named here is a run-config key.
+_DERIVED = frozenset({"run", "bs", "tau", "complete", "window", "T", "cell", "engine"})
+
+
+def is_config_column(name: str) -> bool:
+    """Whether a column of a load_runs / run_summary / cell_summary frame is a run-config key."""
+    return "_" not in name and name not in _DERIVED and name not in ROUND_COLUMNS
+
+
+def normalize_config(config: dict) -> dict:
+    """config with CONFIG_DEFAULTS for the keys it lacks and "precision" in place of "bf16"."""
+    out = {**CONFIG_DEFAULTS, **config}
+    bf16 = out.pop("bf16", False)
+    out.setdefault("precision", "bf16" if bf16 is True or str(bf16).lower() == "true" else "float32")
+    return out
 
 
 class SummaryError(ValueError):
@@ -74,21 +100,38 @@ def _read_rounds(path: Path) -> pd.DataFrame:
     missing = [c for c in ("round", *METRICS, "num_clients", "num_examples") if c not in frame.columns]
     if missing:
         raise SummaryError(f"{path} lacks column(s) {', '.join(missing)}")
-    for column in frame.columns:
-        if column != "cohort":
+    for column in frame.columns:  # the *_flag columns (measure/curvature.py) stay text
+        if column != "cohort" and not column.endswith("_flag"):
             frame[column] = pd.to_numeric(frame[column], errors="coerce")
     frame = frame.dropna(subset=["round"]).astype({"round": int})
     return frame.drop_duplicates("round", keep="last").sort_values("round", ignore_index=True)
 
 
-def _read_config(path: Path) -> dict:
+def _read_config(path: Path) -> tuple[dict, str | None]:
+    """The run-config mapping (normalize_config'd) and the engine the run used (None if not recorded)."""
     try:
-        config = json.loads(path.read_text())["run_config"]
+        meta = json.loads(path.read_text())
+        config = meta["run_config"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise SummaryError(f"{path} is not a run's config.json (no 'run_config' mapping): {exc}") from exc
     if not isinstance(config, dict) or "num-rounds" not in config:
         raise SummaryError(f"{path}: run_config lacks 'num-rounds'")
-    return config
+    engine = meta.get("engine")
+    return normalize_config(config), engine if isinstance(engine, str) else None
+
+
+def _shard_range(run_dir: Path, rounds: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Per round, the smallest and largest shard of the cohort (shards.csv), or NaN (with a warning
+    if the file is there but cannot be used)."""
+    nan = pd.Series(np.nan, index=rounds.index)
+    try:
+        sizes = read_shards(run_dir)
+        if sizes is None or "cohort" not in rounds:
+            return nan, nan
+        return cohort_shard_range(rounds["cohort"], sizes)
+    except (ValueError, OSError) as exc:
+        warnings.warn(f"{run_dir}: {SHARDS_FILE} not used: {exc}", stacklevel=3)
+        return nan, nan
 
 
 def bs_label(value) -> str:
@@ -110,7 +153,10 @@ def load_runs(dirs: Iterable[str | Path]) -> pd.DataFrame:
     """Per-round rows of every run under ``dirs``, with the run-config keys as columns.
 
     Extra columns: ``run`` (the run folder), ``run_name`` (its name), ``bs`` ("32", "full"),
-    ``tau`` (local epochs) and ``K_c`` (clients per round). A run without any round yet gives one
+    ``tau`` (local epochs), ``K_c`` (clients per round), ``engine`` (config.json's, None if absent)
+    and ``shard_min`` / ``shard_max`` (the smallest and largest shard of the round's cohort, from the
+    run's optional shards.csv; NaN without it). The config is normalize_config'd: CONFIG_DEFAULTS for
+    keys older runs lack, "precision" for "bf16". A run without any round yet gives one
     row with ``round`` NaN, so it is still counted (as incomplete). Folders that cannot be read are
     skipped with a warning; none at all raises SummaryError.
     """
@@ -118,7 +164,7 @@ def load_runs(dirs: Iterable[str | Path]) -> pd.DataFrame:
     run_dirs = find_run_dirs(dirs)
     for run_dir in run_dirs:
         try:
-            config = _read_config(run_dir / CONFIG_FILE)
+            config, engine = _read_config(run_dir / CONFIG_FILE)
             rounds = _read_rounds(run_dir / ROUNDS_FILE)
         except (SummaryError, OSError, pd.errors.ParserError) as exc:
             warnings.warn(f"skipping {run_dir}: {exc}", stacklevel=2)
@@ -127,10 +173,12 @@ def load_runs(dirs: Iterable[str | Path]) -> pd.DataFrame:
             rounds = pd.DataFrame({c: [np.nan] for c in ROUND_COLUMNS})
         meta = {
             "run": str(run_dir), "run_name": run_dir.name, "bs": bs_label(config.get("batch-size")),
-            "tau": config.get("local-epochs"), "K_c": config.get("clients-per-round"),
+            "tau": config.get("local-epochs"), "K_c": config.get("clients-per-round"), "engine": engine,
         }
+        meta["shard_min"], meta["shard_max"] = _shard_range(run_dir, rounds)
         extra = {**{k: v for k, v in config.items() if k not in rounds.columns}, **meta}
-        frames.append(rounds.assign(**{k: [v] * len(rounds) for k, v in extra.items()}))
+        frames.append(rounds.assign(**{k: v if isinstance(v, pd.Series) else [v] * len(rounds)
+                                       for k, v in extra.items()}))
     if not frames:
         where = ", ".join(map(str, dirs))
         raise SummaryError(f"no runs (folders with {ROUNDS_FILE} and {CONFIG_FILE}) under {where}")
@@ -138,5 +186,5 @@ def load_runs(dirs: Iterable[str | Path]) -> pd.DataFrame:
 
 
 def config_keys(rounds: pd.DataFrame) -> list[str]:
-    """The run-config columns of a load_runs frame."""
-    return [c for c in rounds.columns if c not in ROUND_COLUMNS and c not in META_COLUMNS]
+    """The run-config columns of a load_runs frame (is_config_column)."""
+    return [c for c in rounds.columns if is_config_column(c)]

@@ -83,6 +83,7 @@ class RunConfig:
     resume: bool
     inject_fault: str
     curvature_every: int
+    measure_from: int
     probe_size: int
     probe_file: str
     curvature_probes: int
@@ -171,6 +172,7 @@ class RunConfig:
     def _validate_measurements(self) -> None:
         for key, value in (("curvature-every", self.curvature_every), ("flatness-every", self.flatness_every)):
             _require(value >= 0, key, value, "an integer >= 0 (0: never)")
+        _require(self.measure_from >= 1, "measure-from", self.measure_from, "a round >= 1")
         _require(self.probe_size >= 1, "probe-size", self.probe_size, "an integer >= 1 (training images)")
         for key, value in (("curvature-probes", self.curvature_probes), ("penalty-draws", self.penalty_draws),
                            ("flatness-probes", self.flatness_probes)):

@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from fedmask_app.run.client_task import client_shards
 from fedmask_app.run.config import RunConfig
-from fedmask_app.run.data import CONTENT_SHA256
+from fedmask_app.run.data import CONTENT_SHA256, load_cifar10, resolve_data_dir
 from fedmask_app.run.device import model_dtype
 from fedmask_app.run.evaluation import Evaluator
 from fedmask_app.run.measurements import RoundMeasurements
@@ -36,6 +37,9 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
     measurements = RoundMeasurements(cfg, server_has_training_data)  # fails before any round when it cannot
     results, checkpoint = RunResults.open(cfg, run_metadata(cfg, engine, CONTENT_SHA256))
     schedule = RoundSchedule(cfg, checkpoint.state if checkpoint is not None else None)
+    if server_has_training_data:
+        labels = load_cifar10(resolve_data_dir(cfg.data_dir)).y_train
+        results.write_shards([len(shard) for shard in client_shards(cfg, labels)])
     if checkpoint is not None:
         params, first = checkpoint.params, checkpoint.server_round + 1
         echo(f"[fedmask] resuming {cfg.name} after round {checkpoint.server_round}")

@@ -73,11 +73,12 @@ class RoundMeasurements:
 
     def curvature_due(self, server_round: int) -> bool:
         every = self.cfg.curvature_every
-        return every > 0 and server_round % every == 0
+        return every > 0 and server_round % every == 0 and server_round >= self.cfg.measure_from
 
     def flatness_due(self, server_round: int) -> bool:
         every = self.cfg.flatness_every
-        return every > 0 and (server_round % every == 0 or server_round == self.cfg.num_rounds)
+        due = server_round % every == 0 and server_round >= self.cfg.measure_from
+        return every > 0 and (due or server_round == self.cfg.num_rounds)
 
     def __call__(self, server_round: int, theta: Sequence[np.ndarray], outcome: RoundOutcome) -> dict[str, object]:
         """``theta``: the global model the round started from; ``outcome``: its aggregated replies."""

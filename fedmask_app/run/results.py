@@ -19,7 +19,7 @@ import torch
 
 from fedmask_app.run.config import PROJECT_ROOT, RunConfig
 from fedmask_app.run.files import atomic_write, atomic_write_json
-from fedmask_app.run.schema import ALL_COLUMNS, CHECKPOINT_FILE, CONFIG_FILE, ROUNDS_FILE
+from fedmask_app.run.schema import ALL_COLUMNS, CHECKPOINT_FILE, CONFIG_FILE, ROUNDS_FILE, SHARDS_FILE
 
 COLUMNS = ALL_COLUMNS
 PACKAGES = ("torch", "torchvision", "numpy", "flwr", "flwr-datasets", "ray", "pandas")
@@ -144,6 +144,15 @@ class RunResults:
             f.write(text.getvalue().encode())
 
         atomic_write(self.rounds_path, write)
+
+    def write_shards(self, sizes: list[int]) -> None:
+        """shards.csv: the sizes the clients train on (partition id i holds sizes[i] examples), for
+        the report's range of local steps T."""
+
+        def write(f) -> None:
+            f.write(("partition_id,num_examples\n" + "".join(f"{i},{int(n)}\n" for i, n in enumerate(sizes))).encode())
+
+        atomic_write(self.run_dir / SHARDS_FILE, write)
 
     def append_row(self, row: dict[str, Any]) -> None:
         """Append one round and flush it to disk before the next round starts."""

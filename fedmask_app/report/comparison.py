@@ -1,0 +1,109 @@
+"""Does masking help? Cells that differ in how they train (mask-mode, keep-prob, server-step,
+keep-prob-schedule; runs without these keys count as none / 0.5 / fedavg / fixed) side by side.
+
+Per run (``run_finals``, part of run_summary): the test accuracy of the last round that has one
+(final) and the best over all rounds, the last train loss, and λ_max and tr H at the last round
+where they were measured. Per cell (``comparison_table``): the median across seeds of these and of
+the window-median 1/ΔS, with the spread across seeds as min and max (``<column>_min``,
+``<column>_max``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+TRAINING_KEYS = ("mask-mode", "keep-prob", "server-step", "keep-prob-schedule")
+FINALS = ("final_test_accuracy", "best_test_accuracy", "final_train_loss", "final_lambda_max", "final_trace")
+COMPARED = (*FINALS, "recovery")
+SPREAD_NOTE = "median across seeds; spread = min-max across seeds"
+
+
+def _last(group: pd.DataFrame, column: str) -> float:
+    if column not in group:
+        return float("nan")
+    values = pd.to_numeric(group.sort_values("round")[column], errors="coerce").dropna()
+    return float(values.iloc[-1]) if len(values) else float("nan")
+
+
+def run_finals(group: pd.DataFrame) -> dict:
+    """One run's final and best values (its rounds, all of them, not only the window)."""
+    done = group.dropna(subset=["round"])
+    accuracy = pd.to_numeric(done.get("test_accuracy", pd.Series(dtype=float)), errors="coerce")
+    return {
+        "final_test_accuracy": _last(done, "test_accuracy"), "best_test_accuracy": float(accuracy.max()),
+        "final_train_loss": _last(done, "train_loss"), "final_lambda_max": _last(done, "hessian_lambda_max"),
+        "final_trace": _last(done, "hessian_trace"),
+    }
+
+
+def compares_training(runs: pd.DataFrame) -> bool:
+    """Whether the runs differ in mask-mode or server-step (the CLI then writes comparison.*)."""
+    return any(k in runs and runs[k].map(str).nunique() > 1 for k in ("mask-mode", "server-step"))
+
+
+def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell (run_summary's cells): its training keys, n_seeds, n_incomplete, and for each
+    of COMPARED the median across seeds with ``_min`` / ``_max`` (SPREAD_NOTE). Unmasked FedAvg first."""
+    out = []
+    for _, group in runs.groupby("cell_id", sort=False):
+        first = group.iloc[0]
+        row = {"cell": first["cell"], **{k: first.get(k) for k in TRAINING_KEYS},
+               "n_seeds": int(group["seed"].nunique()) if "seed" in group else len(group),
+               "n_incomplete": int((~group["complete"].astype(bool)).sum())}
+        for column in COMPARED:
+            values = pd.to_numeric(group[column], errors="coerce") if column in group else pd.Series([np.nan])
+            row.update({column: values.median(), f"{column}_min": values.min(), f"{column}_max": values.max()})
+        out.append(row)
+    table = pd.DataFrame(out)
+    if table.empty:
+        return table
+    def order(i: int) -> tuple:
+        mask, step, schedule, p = (str(table.iloc[i][k]) for k in TRAINING_KEYS)
+        return mask != "none", mask, step != "fedavg", step, schedule, p
+
+    return table.iloc[sorted(range(len(table)), key=order)].reset_index(drop=True)
+
+
+def format_comparison(table: pd.DataFrame) -> str:
+    """comparison_table as text: each compared column as "median [min, max]"."""
+    shown = table[["cell", "n_seeds"]].copy()
+    for column in COMPARED:
+        shown[column] = [f"{m:.4g} [{lo:.4g}, {hi:.4g}]" if np.isfinite(m) else "-" for m, lo, hi in zip(
+            table[column], table[f"{column}_min"], table[f"{column}_max"], strict=True)]
+    return shown.to_string(index=False)
+
+
+def comparison_figure(rounds: pd.DataFrame, runs: pd.DataFrame, path: str | Path | None = None) -> Figure:
+    """Left: test accuracy over rounds per cell (median across seeds, min-max shaded). Right: the final
+    λ_max per cell (median across seeds, min-max error bars). Saved as PNG to ``path`` if given."""
+    table = comparison_table(runs)
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    curves, bars = fig.subplots(1, 2, width_ratios=(1.4, 1))
+    labelled = rounds.dropna(subset=["round"]).merge(runs[["run", "cell"]], on="run")
+    labelled = labelled.assign(test_accuracy=pd.to_numeric(labelled["test_accuracy"], errors="coerce"))
+    per_round = labelled.dropna(subset=["test_accuracy"]).groupby(["cell", "round"])["test_accuracy"]
+    stats = per_round.agg(["median", "min", "max"]).reset_index()
+    for i, cell in enumerate(table["cell"]):
+        part = stats[stats["cell"] == cell]
+        colour = f"C{i % 10}"
+        curves.plot(part["round"], 100 * part["median"], color=colour, label=cell)
+        curves.fill_between(part["round"], 100 * part["min"], 100 * part["max"], color=colour, alpha=0.2)
+    curves.set(xlabel="round", ylabel="test accuracy (%)", title="Test accuracy (median across seeds, min-max shaded)")
+    curves.legend(fontsize=8)
+    x = np.arange(len(table))
+    values = table["final_lambda_max"].to_numpy(dtype=float)
+    if np.isfinite(values).any():
+        err = np.vstack([values - table["final_lambda_max_min"], table["final_lambda_max_max"] - values])
+        bars.bar(x, values, yerr=np.nan_to_num(err), capsize=4, color=[f"C{i % 10}" for i in x])
+    else:
+        bars.text(0.5, 0.5, "no λ_max measured", ha="center", va="center", transform=bars.transAxes)
+    bars.set_xticks(x, table["cell"], rotation=25, ha="right", fontsize=8)
+    bars.set(ylabel="λ_max of the Hessian", title="λ_max at the last measured round (median, min-max)")
+    fig.suptitle(f"Does masking help? {SPREAD_NOTE}", fontsize=10)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig

@@ -1,0 +1,150 @@
+"""The server's curvature and flatness measurements (fedmask_app/measure) in the report: per-run
+window medians, per-cell medians across seeds, and the curvature figure.
+
+The measurements run every N rounds, so these rounds.csv columns are empty on most rounds (and
+absent from older runs): a run's value is the median over the window rounds where the column has a
+value, NaN if none has; a column no run has is left out.
+
+* Columns that compare the mean update with the client updates (MEASURES_COHORT: Q sums, ρ_H, the
+  direct penalties, ρ_direct and their predictions) are taken over the window's *full* rounds only
+  (num_clients = K_c), like the recovery factor: a short round has a lower ceiling.
+* Columns of the model or the server step (MEASURES_MODEL: λ_max, tr H, FedExP's η_g, the round's
+  keep-prob) are taken over all window rounds.
+* ``*_se`` columns are standard errors of one round's estimate; their window median is "a typical
+  round's standard error", not the standard error of the median.
+* The ratio flags (FLAGS: "ok", "denominator_nonpositive", "denominator_not_significant") give
+  ``<ratio>_measured`` (window full rounds with a flag) and ``<ratio>_flagged`` (those not "ok",
+  whose ratio and its standard error are left out of the medians); a cell sums them over its runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+MEASURES_COHORT = (
+    "q_mean", "q_mean_se", "q_clients", "q_clients_se", "rho_h", "rho_h_se", "penalty_sync", "penalty_sync_se",
+    "penalty_ind", "penalty_ind_se", "rho_direct", "rho_direct_se", "penalty_sync_pred", "penalty_ind_pred",
+)
+MEASURES_MODEL = ("hessian_lambda_max", "hessian_trace", "hessian_trace_se", "server_lr", "keep_prob_round")
+MEASURES = (*MEASURES_COHORT, *MEASURES_MODEL)
+FLAGS = {"rho_h_flag": "rho_h", "rho_direct_flag": "rho_direct"}
+FLAG_OK = "ok"
+# Flag counts a run and a cell report.
+FLAG_COUNTS = tuple(f"{ratio}_{kind}" for ratio in FLAGS.values() for kind in ("measured", "flagged"))
+
+
+def run_measurements(window: pd.DataFrame, full: pd.DataFrame) -> dict:
+    """A run's window medians of the measurement columns it has, and its flag counts.
+
+    ``window``: the run's window rounds; ``full``: those of them with num_clients = K_c."""
+    out = {}
+    full = full.copy()
+    for flag, ratio in FLAGS.items():  # a ratio flagged not meaningful stays out (measure/ writes it NaN anyway)
+        if flag in full:
+            bad = full[flag].map(lambda v: _flag(v) not in ("", FLAG_OK)).astype(bool)
+            full.loc[bad, [c for c in (ratio, f"{ratio}_se") if c in full]] = np.nan
+    for columns, rows in ((MEASURES_COHORT, full), (MEASURES_MODEL, window)):
+        for column in columns:
+            if column in rows:
+                out[column] = pd.to_numeric(rows[column], errors="coerce").median()
+    for flag, ratio in FLAGS.items():
+        if flag in full:
+            flags = [f for f in map(_flag, full[flag]) if f]
+            out[f"{ratio}_measured"] = len(flags)
+            out[f"{ratio}_flagged"] = sum(f != FLAG_OK for f in flags)
+    return out
+
+
+def _flag(value) -> str:
+    """A flag cell as text, "" when empty (an all-empty column reads as float NaN)."""
+    return value.strip() if isinstance(value, str) else ""
+
+
+def cell_measurements(group: pd.DataFrame) -> dict:
+    """A cell's median across its runs of each measurement column, and its runs' summed flag counts."""
+    out = {c: group[c].median() for c in MEASURES if c in group}
+    out.update({c: group[c].sum(min_count=1) for c in FLAG_COUNTS if c in group})
+    return out
+
+
+def measurement_columns(frame: pd.DataFrame) -> list[str]:
+    """The measurement and flag-count columns of a run or cell frame that hold at least one value."""
+    return [c for c in (*MEASURES, *FLAG_COUNTS) if c in frame and frame[c].notna().any()]
+
+
+def has_curvature(frame: pd.DataFrame) -> bool:
+    """Whether any row (of load_runs' rounds, say) has a ρ_H value (the CLI then writes curvature.png)."""
+    return "rho_h" in frame and bool(frame["rho_h"].notna().any())
+
+
+ERROR_BAR_NOTE = ("error bars: the median over the window (per run, then across seeds) of the per-round standard "
+                  "error; 1/ΔS_w is exact (no bar)")
+
+
+def curvature_figure(cells: pd.DataFrame, path: str | Path | None = None) -> Figure:
+    """Left: per cell, 1/ΔS_w (Euclidean), ρ_H (Hessian-weighted) and ρ_direct (measured penalties)
+    side by side, with ERROR_BAR_NOTE's error bars. Right: the measured direct penalty against its
+    second-order prediction (1−p)/(2p)·Q, synchronized (o) and independent (s) masks, one colour per
+    cell, with y = x; log-log when every value is positive, else symlog. Saved as PNG if ``path``."""
+    fig = Figure(figsize=(13, 5.2), layout="constrained")
+    bars, scatter = fig.subplots(1, 2, width_ratios=(1.3, 1))
+    labels = list(cells["cell"]) if "cell" in cells else [str(i) for i in range(len(cells))]
+    x = np.arange(len(cells))
+    series = (("recovery_weighted", None, "1/ΔS_w (Euclidean)"), ("rho_h", "rho_h_se", "ρ_H (Hessian)"),
+              ("rho_direct", "rho_direct_se", "ρ_direct (measured penalties)"))
+    width = 0.8 / len(series)
+    for i, (column, se, name) in enumerate(series):
+        if column not in cells:
+            continue
+        err = cells[se].to_numpy(dtype=float) if se in cells else None
+        bars.bar(x + (i - 1) * width, cells[column].to_numpy(dtype=float), width, yerr=err, capsize=3,
+                 label=name, color=f"C{i}")
+    bars.axhline(1, color="grey", linestyle=":", linewidth=1)
+    bars.set_xticks(x, labels, rotation=25, ha="right", fontsize=8)
+    bars.set_ylabel("share of the penalty that survives averaging (R_shr / R_ind)")
+    bars.legend(fontsize=8)
+    bars.set_title("Recovery: Euclidean, Hessian-weighted, measured", fontsize=10)
+
+    points = []
+    for mode, marker in (("sync", "o"), ("ind", "s")):
+        measured, predicted, se = f"penalty_{mode}", f"penalty_{mode}_pred", f"penalty_{mode}_se"
+        if measured not in cells or predicted not in cells:
+            continue
+        for j, (_, row) in enumerate(cells.iterrows()):
+            xv, yv = float(row[predicted]), float(row[measured])
+            if not (np.isfinite(xv) and np.isfinite(yv)):
+                continue
+            err = float(row[se]) if se in cells and np.isfinite(row[se]) else None
+            scatter.errorbar(xv, yv, yerr=err, fmt=marker, color=f"C{j % 10}", capsize=3, markeredgecolor="black",
+                             label=f"{labels[j]} ({'synchronized' if mode == 'sync' else 'independent'})")
+            points += [xv, yv]
+    if points:
+        values = np.asarray(points)
+        low, high = values.min(), values.max()
+        if low > 0:
+            scatter.set_xscale("log")
+            scatter.set_yscale("log")
+            line = np.geomspace(low / 1.5, high * 1.5, 50)
+        else:
+            nonzero = np.abs(values[values != 0])
+            thresh = float(nonzero.min()) if len(nonzero) else 1.0
+            scatter.set_xscale("symlog", linthresh=thresh)
+            scatter.set_yscale("symlog", linthresh=thresh)
+            pad = 0.1 * (high - low) or 1.0
+            line = np.linspace(low - pad, high + pad, 200)
+        scatter.plot(line, line, color="black", linewidth=1, label="y = x")
+        scatter.legend(fontsize=7, loc="upper left")
+    else:
+        scatter.text(0.5, 0.5, "no direct penalty measured", ha="center", va="center", transform=scatter.transAxes)
+    scatter.set_xlabel("second-order prediction (1−p)/(2p)·Q")
+    scatter.set_ylabel("measured penalty E[l(θ − Δ̃)] − l(θ')")
+    scatter.set_title("Direct penalty vs prediction (o synchronized, s independent)", fontsize=10)
+    fig.suptitle(f"Curvature: per run the window median, per cell the median across seeds\n{ERROR_BAR_NOTE}",
+                 fontsize=10)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
