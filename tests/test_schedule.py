@@ -69,3 +69,14 @@ def test_calibrated_keep_prob_follows_the_last_rounds_proxy_and_survives_a_resum
 def test_the_calibrated_schedule_refuses_other_mask_modes_by_name(tmp_path, mode):
     with pytest.raises(ConfigError, match="synchronized masks only"):
         small(tmp_path, **{"mask-mode": mode, "keep-prob-schedule": "calibrated", "penalty-target": 1e-3})
+
+
+def test_measurements_are_due_only_when_asked_for(tmp_path):
+    from fedmask_app.run.measurements import RoundMeasurements
+
+    due = RoundMeasurements(small(tmp_path, **{"num-rounds": 10}))
+    assert not any(due.curvature_due(r) or due.flatness_due(r) for r in range(1, 11))
+    due = RoundMeasurements(small(tmp_path, **{"num-rounds": 10, "curvature-every": 2, "flatness-every": 4,
+                                               "measure-from": 5, "probe-size": 4}))
+    assert [r for r in range(1, 11) if due.curvature_due(r)] == [6, 8, 10]
+    assert [r for r in range(1, 11) if due.flatness_due(r)] == [8, 10]

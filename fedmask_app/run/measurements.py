@@ -77,8 +77,9 @@ class RoundMeasurements:
 
     def flatness_due(self, server_round: int) -> bool:
         every = self.cfg.flatness_every
-        due = server_round % every == 0 and server_round >= self.cfg.measure_from
-        return every > 0 and (due or server_round == self.cfg.num_rounds)
+        if every == 0:
+            return False
+        return (server_round % every == 0 and server_round >= self.cfg.measure_from) or server_round == self.cfg.num_rounds
 
     def __call__(self, server_round: int, theta: Sequence[np.ndarray], outcome: RoundOutcome) -> dict[str, object]:
         """``theta``: the global model the round started from; ``outcome``: its aggregated replies."""
