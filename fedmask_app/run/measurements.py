@@ -79,7 +79,8 @@ class RoundMeasurements:
         every = self.cfg.flatness_every
         if every == 0:
             return False
-        return (server_round % every == 0 and server_round >= self.cfg.measure_from) or server_round == self.cfg.num_rounds
+        last = server_round == self.cfg.num_rounds
+        return last or (server_round % every == 0 and server_round >= self.cfg.measure_from)
 
     def __call__(self, server_round: int, theta: Sequence[np.ndarray], outcome: RoundOutcome) -> dict[str, object]:
         """``theta``: the global model the round started from; ``outcome``: its aggregated replies."""
