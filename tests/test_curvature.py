@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
+from small_models import generator as _gen
+from small_models import tiny_batch as _batch
+from small_models import tiny_mlp as _mlp
 
 from fedmask_app.measure.curvature import (
     CURVATURE_COLUMNS,
@@ -28,28 +30,7 @@ from fedmask_app.measure.curvature import (
 WEIGHTS = [0.1, 0.2, 0.3, 0.4]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread avoids oversubscription and is faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _mlp(dtype: torch.dtype = torch.float64) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 10), nn.Tanh(), nn.Linear(10, 3)).to(dtype)
-
-
-def _batch(dtype: torch.dtype = torch.float64, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    g = _gen(1)
-    return torch.randn(n, 8, generator=g, dtype=torch.float64).to(dtype), torch.randint(0, 3, (n,), generator=g)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _updates(like, scale: float = 0.3, seed: int = 2) -> list[list[torch.Tensor]]:

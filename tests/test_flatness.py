@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
+from small_models import generator as _gen
+from small_models import tiny_batch as _batch
+from small_models import tiny_mlp as _mlp
 
 from fedmask_app.measure.curvature import model_loss_fn
 from fedmask_app.measure.flatness import (
@@ -17,18 +19,7 @@ from fedmask_app.measure.flatness import (
     measure_flatness,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread avoids oversubscription and is faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _flat(blocks) -> torch.Tensor:
@@ -37,17 +28,6 @@ def _flat(blocks) -> torch.Tensor:
 
 def _unflatten(vector, like) -> list[torch.Tensor]:
     return [c.view_as(p) for c, p in zip(vector.split([p.numel() for p in like]), like, strict=True)]
-
-
-def _mlp(dtype: torch.dtype = torch.float64) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 10), nn.Tanh(), nn.Linear(10, 3)).to(dtype)
-
-
-def _batch(dtype: torch.dtype = torch.float64, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    g = _gen(1)
-    return torch.randn(n, 8, generator=g, dtype=torch.float64).to(dtype), torch.randint(0, 3, (n,), generator=g)
 
 
 def _indefinite_quadratic():

@@ -27,12 +27,6 @@ pytestmark = pytest.mark.slow
 NOT_COMPARED = ["seconds"]
 
 
-@pytest.fixture(scope="module")
-def flower(tmp_path_factory):
-    runner = FlowerRunner(tmp_path_factory.mktemp("flwr-home"))
-    yield runner
-    runner.kill_all()
-    assert runner.pids() == [], "processes of the test's Flower runs are still alive"
 
 
 def tiny(tmp_path, **overrides) -> dict:

@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from flwr_runner import SHARED_DATA, FlowerRunner, write_run_config
+from flwr_runner import SHARED_DATA, write_run_config
 
 from clients.masking import block_mask
 from clients.seeds import batch_order_seed, independent_mask_seed, synchronized_mask_seed
@@ -357,12 +357,6 @@ def test_the_comparison_rejects_broken_references(tmp_path):
 # ---------------------------------------------------------------- the real `flwr run`
 
 
-@pytest.fixture(scope="module")
-def flower(tmp_path_factory):
-    runner = FlowerRunner(tmp_path_factory.mktemp("flwr-home"))
-    yield runner
-    runner.kill_all()
-    assert runner.pids() == [], "processes of the test's Flower runs are still alive"
 
 
 FLOWER_CONFIGS = [("synchronized", "uniform", "minibatch"), ("none", "weighted", "full")]
