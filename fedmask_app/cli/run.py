@@ -11,10 +11,23 @@ run ends: a SuperLink you started yourself, or another fedmask-run, is never tou
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from fedmask_app.cli.common import add_run_config_arguments, run_config_from_args
 from fedmask_app.engines.flower.superlink import run_with_flower
+
+# Flower lines that say nothing true about a fedmask-run: it sizes the federation itself and runs
+# on a private FLWR_HOME that it creates and removes.
+FLOWER_NOISE = re.compile(
+    r"default simulated SuperNodes changed from|To change federation size, use|flwr federation simulation-config"
+    r"|Flower configuration not found\. Created default configuration"
+)
+
+
+def print_line(line: str) -> None:
+    if not FLOWER_NOISE.search(line):
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     try:
-        code = run_with_flower(cfg, args.num_cpus, args.num_gpus)
+        code = run_with_flower(cfg, args.num_cpus, args.num_gpus, on_line=print_line)
     except FileNotFoundError as exc:
         print(f"fedmask-run: {exc}", file=sys.stderr)
         return 2
