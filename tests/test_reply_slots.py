@@ -219,3 +219,21 @@ def test_slots_rely_on_shared_memory_internals(slots):
     theta = reply_slots.segment(slots.theta_slot)
     assert isinstance(theta._name, str) and theta._name.lstrip("/") == slots.theta_slot
     assert hasattr(theta._mmap, "madvise")
+
+
+def test_a_client_that_cannot_open_its_slot_replies_through_ray(monkeypatch, caplog):
+    """A Ray worker on another machine (or after the slot retired) cannot open the slot it was
+    lent: its reply falls back to its own buffers and crosses Ray inline, with a warning."""
+    from fedmask_app.engines.flower.fast import transport
+
+    monkeypatch.setattr(transport, "register_in_ray", lambda: True)  # as in a Ray worker
+    config = ConfigRecord({"server-round": 1, SLOT_KEY: "fm1-abcdef-7"})  # no such segment here
+    buffers = transport.ReplyBuffers.in_ray(config, LIKE)
+    for target, value in zip(buffers.arrays, VALUES, strict=True):
+        target[...] = value
+    record = buffers.record(buffers.arrays)
+    assert "cannot write the update into shared-memory slot fm1-abcdef-7" in caplog.text
+    payload = ray_transport._payload(record)
+    assert payload[0] == "inline"
+    for got, want in zip(record_views(ray_transport._record_from_payload(payload)), VALUES, strict=True):
+        np.testing.assert_array_equal(got, want)
