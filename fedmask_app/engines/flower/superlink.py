@@ -117,10 +117,15 @@ def default_gpu_fraction() -> float:
 
 
 def run_with_flower(
-    cfg: RunConfig, num_cpus: int = 1, num_gpus: float | None = None, on_line: Callable[[str], None] = print
+    cfg: RunConfig, num_cpus: int = 1, num_gpus: float | None = None, on_line: Callable[[str], None] = print,
+    ray_address: str | None = None,
 ) -> int:
     """One run through `flwr run <project> --stream` on a SuperLink of its own; returns flwr's exit
-    code (0 even when the ServerApp failed: check the run's rounds.csv)."""
+    code (0 even when the ServerApp failed: check the run's rounds.csv).
+
+    ``ray_address``: the simulation joins that Ray cluster instead of starting its own. Flower
+    1.42's simulation calls ``ray.init()`` without an address (its init-args have none), and
+    ``ray.init`` then reads ``RAY_ADDRESS``, which the SuperLink and its simulation process inherit."""
     values = cfg.to_mapping()
     values["output-dir"] = str(cfg.run_dir.parent)
     if cfg.data_dir:
@@ -129,7 +134,7 @@ def run_with_flower(
     federation = (
         f"num-supernodes={cfg.num_clients} client-resources-num-cpus={num_cpus} client-resources-num-gpus={gpus}"
     )
-    with PrivateSuperLink() as superlink:
+    with PrivateSuperLink(extra_env={"RAY_ADDRESS": ray_address} if ray_address else None) as superlink:
         config_file = superlink.flwr_home / "run-config.toml"
         config_file.write_text("".join(f"{key} = {toml_value(value)}\n" for key, value in values.items()))
         command = superlink.flwr_run(config_file, federation)
