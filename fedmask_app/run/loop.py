@@ -14,7 +14,7 @@ import numpy as np
 
 from fedmask_app.run.client_task import client_shards
 from fedmask_app.run.config import RunConfig
-from fedmask_app.run.data import CONTENT_SHA256, load_cifar10, resolve_data_dir
+from fedmask_app.run.data import dataset_sha256, load_cifar10, resolve_data_dir
 from fedmask_app.run.device import model_dtype
 from fedmask_app.run.evaluation import Evaluator
 from fedmask_app.run.measurements import RoundMeasurements
@@ -35,7 +35,8 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
     ``server_has_training_data``: False on a deployment's server, whose measurements then need
     ``probe-file``."""
     measurements = RoundMeasurements(cfg, server_has_training_data)  # fails before any round when it cannot
-    results, checkpoint = RunResults.open(cfg, run_metadata(cfg, engine, CONTENT_SHA256))
+    data_sha256 = dataset_sha256(resolve_data_dir(cfg.data_dir))  # CIFAR-10's, or a subset's (GPU check)
+    results, checkpoint = RunResults.open(cfg, run_metadata(cfg, engine, data_sha256))
     schedule = RoundSchedule(cfg, checkpoint.state if checkpoint is not None else None)
     if server_has_training_data:
         labels = load_cifar10(resolve_data_dir(cfg.data_dir)).y_train

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU check, run as is on a bare GPU machine from a copy of the repo tree (no install, no
+# network, no flwr/ray): python3 with torch, torchvision, numpy, pandas, filelock; PYTHONPATH=.
+#
+#   bash benchmarks/gpu_check.sh                # on the GPU machine: under 8 minutes on one H200
+#   bash benchmarks/gpu_check.sh --cpu-smoke    # the same steps, tiny, on a CPU (about a minute)
+#
+# Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
+# carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
+# (control, repetition, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py (rounds per cell, precision
+# and path; the protocol's projected time). Every step runs, each under a time limit; the exit
+# status is 1 when one failed. GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
+
+set -u
+cd "$(dirname "$0")/.." || exit 1
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"  # deterministic cuBLAS (float32)
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+DATA_DIR="${FEDMASK_GPU_DATA_DIR:-.gpu-data}"
+export FEDMASK_GPU_DATA_DIR="$DATA_DIR"
+SMOKE="${GPU_CHECK_CPU_SMOKE:-0}"
+[[ "${1:-}" == "--cpu-smoke" ]] && SMOKE=1
+FAILED=()
+
+IMPORTS_PY='
+import importlib, sys
+modules = ["fedmask_app.engines.local", "fedmask_app.run.client_task", "fedmask_app.run.evaluation",
+           "fedmask_app.run.measurements", "fedmask_app.run.loop", "clients.training", "clients.vectorized",
+           "clients.masking", "clients.seeds", "strategies.aggregate", "strategies.cohort", "strategies.round",
+           "strategies.stats", "strategies.server_step", "strategies.cohort_pass"]
+for name in modules:
+    importlib.import_module(name)
+pulled = sorted(m for m in sys.modules if m.split(".")[0] in ("flwr", "ray"))
+print(f"imported {len(modules)} modules; flwr/ray modules pulled in: {pulled}")
+sys.exit(1 if pulled else 0)
+'
+
+DATA_PY='
+import sys
+from pathlib import Path
+from fedmask_app.run.data import dataset_sha256, load_cifar10
+data_dir = Path(sys.argv[1]).resolve()
+data = load_cifar10(data_dir)  # verifies the content sha256
+print(f"{data_dir}: train {data.x_train.shape}, test {data.x_test.shape}, content sha256 {data.sha256}")
+sys.exit(0 if dataset_sha256(data_dir) == data.sha256 else 1)
+'
+
+VERSIONS_PY='
+import platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"cuDNN {torch.backends.cudnn.version()}, cuda available {torch.cuda.is_available()}")
+'
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run it under a time limit, report, remember a failure
+    local name=$1 limit=$2 started rc
+    shift 2
+    echo "=== step: $name (at most ${limit} s)"
+    started=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@"
+    rc=$?
+    if [[ $rc -eq 0 ]]; then
+        echo "=== $name: ok ($(( $(date +%s) - started )) s)"
+    else
+        echo "=== $name: FAILED (exit $rc$([[ $rc -eq 124 ]] && echo ', timed out'), $(( $(date +%s) - started )) s)"
+        FAILED+=("$name")
+    fi
+}
+
+header() {
+    local commit=""
+    echo "=== gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC'), mode $([[ $SMOKE == 1 ]] && echo cpu-smoke || echo gpu)"
+    command -v git >/dev/null && commit=$(git rev-parse HEAD 2>/dev/null)
+    if [[ -n $commit ]]; then echo "commit $commit (git rev-parse HEAD)"
+    elif [[ -f COMMIT ]]; then echo "commit $(cat COMMIT) (COMMIT file)"
+    else echo "commit unknown (no git repository, no COMMIT file)"; fi
+    "$PY" -c "$VERSIONS_PY"
+    if command -v nvidia-smi >/dev/null; then nvidia-smi -L; fi
+}
+
+header
+if [[ $SMOKE != 1 ]] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "=== gpu_check: FAILED, torch sees no CUDA device (on a CPU machine use --cpu-smoke)"
+    exit 1
+fi
+step "imports without flwr/ray" 60 "$PY" -c "$IMPORTS_PY"
+step "data" 60 "$PY" -c "$DATA_PY" "$DATA_DIR"
+step "tests/test_cuda.py" 120 "$PY" tests/test_cuda.py
+if [[ $SMOKE == 1 ]]; then
+    step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR"
+else
+    step "benchmarks/gpu_timing.py" 240 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" --budget-s 180
+fi
+if [[ ${#FAILED[@]} -gt 0 ]]; then
+    echo "=== gpu_check: FAILED steps: ${FAILED[*]}"
+    exit 1
+fi
+echo "=== gpu_check: all steps passed"

@@ -1,0 +1,244 @@
+"""Seconds per fedmask-local round on this machine, and the paper protocol's projected time.
+
+Times the local engine's round (``fedmask_app.engines.local.local_train_round``: the cohort's
+local training, sequential or vectorised (``vectorize``), then aggregation and the statistics)
+for the paper's cells bs 32 τ 2, bs 128 τ 1 and full batch τ 1, in each precision (float32,
+tf32, bf16), with ``--warmup`` untimed and ``--rounds`` timed rounds per cell, precision and
+path; and one evaluation of the test set (10,000 images, eval-batch-size 500) per precision.
+
+Data: ``--data-dir`` holding cifar10.npz or cifar10-subset.npz gives real images (Dirichlet
+α = 100 shards over as many clients as the file allows, each cut to ``--samples``); without it,
+synthetic CIFAR-shaped shards of exactly ``--samples`` images (the timing does not depend on the
+pixels). The projection (a projection from measured rounds, not a measurement) covers grid 1
+(bs {32, 128, full} × τ {1, 2, 5}) and grid 2's two extra cells (bs 32, τ 2, α {1, 0.1}): 11
+cells × 3 seeds × 200 rounds, K_c = 10 clients of 500 images a round; a cell's training time is
+its batch size's measured images/s applied to 10 · 500 · τ images, i.e. linear in τ from the
+measured τ, plus one test-set evaluation per round.
+
+    python benchmarks/gpu_timing.py --data-dir .gpu-data            # GPU, a few minutes
+    python benchmarks/gpu_timing.py --quick --device cpu            # CPU check of the script (tiny model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedmask_app.engines.local import local_train_round
+from fedmask_app.run.client_task import ClientTask
+from fedmask_app.run.config import RunConfig, pyproject_defaults, run_config_from_values
+from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME, load_cifar10, normalize
+from fedmask_app.run.device import compute_setup
+from fedmask_app.run.model import MODELS, build_model, initial_parameters
+
+CELLS = (("bs32-tau2", 32, 2), ("bs128-tau1", 128, 1), ("full-tau1", "full", 1))
+PRECISIONS = ("float32", "tf32", "bf16")
+PATHS = (("sequential", False), ("vectorised", True))
+GRID1 = tuple((bs, tau) for bs in (32, 128, "full") for tau in (1, 2, 5))
+GRID2_EXTRA = ((32, 2), (32, 2))  # α = 1 and α = 0.1 (α = 100 is grid 1's cell)
+SEEDS, ROUNDS, K_C, N_K, TEST_IMAGES, EVAL_BATCH = 3, 200, 10, 500, 10000, 500
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds per timed round and images processed per second (τ · Σ n_k per round)."""
+
+    seconds: float
+    images_per_s: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default="", help="folder with cifar10.npz or cifar10-subset.npz (else synthetic)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--model", choices=MODELS, default=None,
+                        help="default: the run config's model; linear-softmax with --quick")
+    parser.add_argument("--clients", type=int, default=K_C, help="clients per round")
+    parser.add_argument("--samples", type=int, default=N_K, help="images per client (shard cap)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds per configuration")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per configuration (median)")
+    parser.add_argument("--test-images", type=int, default=TEST_IMAGES, help="images of the timed evaluation")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--budget-s", type=float, default=0.0, help="skip configurations once past this (0: none)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a CPU check of the script, not a timing: linear-softmax, 2 clients × 16 images, 1 round")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.samples, args.warmup, args.rounds, args.test_images = 2, 16, 1, 1, 200
+    args.model = args.model or ("linear-softmax" if args.quick else pyproject_defaults()["model"])
+    return args
+
+
+def data_file(data_dir: str) -> Path | None:
+    """The data file ``--data-dir`` holds, or None (synthetic data)."""
+    if not data_dir:
+        return None
+    found = [Path(data_dir) / name for name in (FILE_NAME, SUBSET_FILE_NAME) if (Path(data_dir) / name).is_file()]
+    if not found:
+        raise SystemExit(f"--data-dir {data_dir} holds neither {FILE_NAME} nor {SUBSET_FILE_NAME}")
+    return found[0]
+
+
+def synthetic_shards(num_clients: int, samples: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Random uint8 CIFAR-shaped shards of exactly ``samples`` images, one per client."""
+    rng = np.random.default_rng(0)
+    return {k: (rng.integers(0, 256, (samples, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, samples))
+            for k in range(num_clients)}
+
+
+def base_values(args: argparse.Namespace, scratch: Path) -> tuple[dict, dict[int, tuple] | None, str]:
+    """Run-config values shared by every configuration, the synthetic shards (or None) and a label."""
+    path = data_file(args.data_dir)
+    values = {"clients-per-round": args.clients, "max-shard-size": args.samples, "model": args.model,
+              "device": args.device, "eval-every": 0, "checkpoint-every": 0, "output-dir": str(scratch),
+              "data-dir": str(path.parent.resolve()) if path else str(scratch), "alpha": 100.0}
+    if path is None:
+        values["num-clients"] = args.clients
+        return values, synthetic_shards(args.clients, args.samples), "synthetic"
+    num_train = len(load_cifar10(path.parent.resolve()).y_train)
+    values["num-clients"] = max(args.clients, min(100, num_train // args.samples))
+    return values, None, f"{path.name}, {values['num-clients']} Dirichlet(100) shards"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int) -> Timing:
+    """Warm-up then timed rounds of the local engine's round for ``cfg``. Every shard is moved to the
+    device first, as a long run has them all resident after its first rounds."""
+    task = ClientTask(cfg, shards)
+    for partition_id in range(cfg.num_clients):
+        task.shard(partition_id)
+    train_round = local_train_round(cfg, task)
+    params = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)]
+    seconds, images = [], 0
+    for server_round in range(1, warmup + rounds + 1):
+        sync(task.device)
+        started = time.perf_counter()
+        outcome = train_round(server_round, params, cfg.keep_prob, None)
+        sync(task.device)
+        if outcome.num_failures:
+            raise RuntimeError("; ".join(outcome.failures))
+        params = outcome.result.params
+        if server_round > warmup:
+            seconds.append(time.perf_counter() - started)
+            images += cfg.local_epochs * outcome.result.num_examples
+    del task
+    release_memory()
+    return Timing(statistics.median(seconds), images / sum(seconds))
+
+
+def time_evaluation(cfg: RunConfig, test_images: int) -> float:
+    """Median seconds of one evaluation pass (forward only, as fedmask_app.run.evaluation) over
+    ``test_images`` synthetic images."""
+    device, dtype = compute_setup(cfg)
+    model = build_model(cfg.model).to(device, dtype).eval()
+    rng = np.random.default_rng(1)
+    images = normalize(rng.integers(0, 256, (test_images, 32, 32, 3), dtype=np.uint8)).to(device, dtype)
+    seconds = []
+    with torch.no_grad():
+        for _ in range(3):
+            sync(device)
+            started = time.perf_counter()
+            for start in range(0, test_images, EVAL_BATCH):
+                model(images[start : start + EVAL_BATCH]).argmax(1)
+            sync(device)
+            seconds.append(time.perf_counter() - started)
+    del model, images
+    release_memory()
+    return statistics.median(seconds[1:])
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def protocol_hours(rates: dict, eval_s: float, eval_scale: float) -> tuple[float, float]:
+    """Projected hours of grid 1 and grid 2's extra cells from images/s per batch size."""
+    def cell_s(bs, tau: int) -> float:
+        return SEEDS * ROUNDS * (K_C * N_K * tau / rates[bs] + eval_s * eval_scale)
+
+    return sum(cell_s(*c) for c in GRID1) / 3600, sum(cell_s(*c) for c in GRID2_EXTRA) / 3600
+
+
+def print_projection(results: dict, eval_seconds: dict, test_images: int) -> None:
+    """One line per precision and path that has all three cells measured."""
+    print("\n# PROJECTION from measured rounds (not measured runs): paper protocol = grid 1 (bs {32,128,full} × "
+          f"τ {{1,2,5}}, 9 cells) + grid 2's 2 extra cells (bs 32 τ 2, α 1 and 0.1) = 11 cells × {SEEDS} seeds × "
+          f"{ROUNDS} rounds, K_c = {K_C} × n_k = {N_K}; τ scales a cell's training time linearly from the measured τ "
+          f"(bs 32 at τ 2, bs 128 and full at τ 1), plus one evaluation of {TEST_IMAGES} test images per round; "
+          "runs one after another on this one device. Grid 2's non-IID cells have unequal n_k: the vectorised "
+          "path pays the cohort's largest shard, so α = 0.1 costs more than projected there.")
+    eval_scale = TEST_IMAGES / test_images
+    for (precision, path), rates in results.items():
+        if len(rates) < len(CELLS):
+            print(f"projection {precision:8s} {path:10s}: incomplete (a cell failed or was skipped)")
+            continue
+        grid1, grid2 = protocol_hours(rates, eval_seconds.get(precision, 0.0), eval_scale)
+        print(f"projection {precision:8s} {path:10s}: grid 1 {grid1:7.2f} h + grid 2 extra {grid2:6.2f} h = "
+              f"{grid1 + grid2:7.2f} h of device time")
+
+
+def run_configuration(values: dict, shards: dict | None, args: argparse.Namespace, label: str) -> Timing | None:
+    """Time one configuration and print its line; None when it failed."""
+    try:
+        cfg = run_config_from_values(values)
+        timing = time_rounds(cfg, shards, args.warmup, args.rounds)
+    except Exception as exc:  # report and go on: one failing configuration must not hide the others
+        print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+        release_memory()
+        return None
+    print(f"{label}: {timing.seconds:8.3f} s/round  {timing.images_per_s:10.0f} images/s", flush=True)
+    return timing
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time every configuration, print the projection; exit status 1 when a configuration failed."""
+    args = parse_args(argv)
+    started, failed = time.perf_counter(), False
+    with tempfile.TemporaryDirectory(prefix="fedmask-gpu-timing-") as scratch:
+        base, shards, source = base_values(args, Path(scratch))
+        device = compute_setup(run_config_from_values(base))[0]
+        print(f"# gpu_timing: model {args.model}, {source}, device {device}, K_c {args.clients}, n_k ≤ {args.samples}, "
+              f"{args.warmup} warm-up + {args.rounds} timed rounds per configuration, torch {torch.__version__}",
+              flush=True)
+        results: dict[tuple[str, str], dict] = {}
+        eval_seconds: dict[str, float] = {}
+        for precision in args.precisions:
+            eval_cfg = run_config_from_values({**base, "precision": precision})
+            eval_seconds[precision] = time_evaluation(eval_cfg, args.test_images)
+            print(f"{precision:8s} evaluation of {args.test_images} images: {eval_seconds[precision]:.3f} s",
+                  flush=True)
+            for path, vectorize in PATHS:
+                rates = results.setdefault((precision, path), {})
+                for cell, bs, tau in CELLS:
+                    label = f"{precision:8s} {path:10s} {cell:10s}"
+                    if args.budget_s and time.perf_counter() - started > args.budget_s:
+                        print(f"{label}: skipped (past --budget-s {args.budget_s:g})", flush=True)
+                        continue
+                    values = {**base, "precision": precision, "vectorize": vectorize, "batch-size": bs,
+                              "local-epochs": tau}
+                    timing = run_configuration(values, shards, args, label)
+                    failed |= timing is None
+                    if timing is not None:
+                        rates[bs] = timing.images_per_s
+        print_projection(results, eval_seconds, args.test_images)
+    print(f"# gpu_timing took {time.perf_counter() - started:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The local engine on CUDA (skipped without a CUDA device): the identical-shards control, bitwise
+repetition, and how far CUDA's numbers lie from the CPU's (printed: a measurement, not a bound).
+
+Small configurations (20 clients, 4 a round, shards of 64 images, 200 test images) on the data
+in $FEDMASK_GPU_DATA_DIR, else ``.gpu-data/`` (the subset benchmarks/gpu_subset.py writes), else
+``../shared/data``. precision float32 is the default: TF32 off, deterministic algorithms
+(fedmask_app/run/device.py). benchmarks/gpu_check.sh runs this file as a script, ``python
+tests/test_cuda.py`` (the GPU machine may have no pytest); pytest runs it too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+try:
+    import pytest
+except ImportError:  # a bare GPU machine: run as a script, see main()
+    pytest = None
+
+from fedmask_app.engines.local import run_local
+from fedmask_app.run.config import run_config_from_values
+from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR_ENV = "FEDMASK_GPU_DATA_DIR"
+HAS_CUDA = torch.cuda.is_available()
+if pytest is not None:
+    pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+
+SMALL = {
+    "num-clients": 20, "clients-per-round": 4, "max-shard-size": 64, "batch-size": 32, "local-epochs": 1,
+    "test-subset": 200, "eval-every": 1, "checkpoint-every": 0, "device": "cuda", "precision": "float32",
+}
+COMPARED = ("recovery", "recovery_weighted", "sigma2_hat", "train_loss", "test_loss", "test_accuracy")
+DRIFT_RUNS = (("cpu", "float32"), ("cuda", "tf32"), ("cuda", "bf16"))  # each against CUDA float32
+
+
+def data_dir() -> Path:
+    """The first folder of $FEDMASK_GPU_DATA_DIR, .gpu-data/, ../shared/data that holds data."""
+    candidates = [os.environ.get(DATA_DIR_ENV, ""), str(ROOT / ".gpu-data"), str(ROOT.parent / "shared" / "data")]
+    for candidate in filter(None, candidates):
+        if any((Path(candidate) / name).is_file() for name in (SUBSET_FILE_NAME, FILE_NAME)):
+            return Path(candidate).resolve()
+    raise FileNotFoundError(f"no {SUBSET_FILE_NAME} or {FILE_NAME} in any of {candidates}: carry .gpu-data/")
+
+
+def run(out: Path, name: str, **values) -> tuple[pd.DataFrame, list[np.ndarray]]:
+    """A small local-engine run (kebab-case ``values`` override SMALL): its rounds.csv and final θ."""
+    cfg = run_config_from_values(
+        {**SMALL, "data-dir": str(data_dir()), "output-dir": str(out), "run-name": name, **values}
+    )
+    params = run_local(cfg, echo=lambda _: None)
+    rows = pd.read_csv(cfg.run_dir / "rounds.csv")
+    assert (rows["num_failures"] == 0).all(), f"{name}: a client failed"
+    return rows, params
+
+
+def test_identical_shards_control_gives_the_ceiling_on_cuda(tmp_path: Path) -> None:
+    for vectorize in (False, True):
+        rows, _ = run(tmp_path, f"control-v{int(vectorize)}", **{"identical-shards": True, "num-rounds": 2,
+                                                                 "vectorize": vectorize})
+        values = rows[["recovery", "recovery_weighted"]].to_numpy()
+        np.testing.assert_allclose(values, SMALL["clients-per-round"], rtol=1e-6, err_msg=f"vectorize={vectorize}")
+
+
+def test_the_same_seed_twice_gives_identical_rows_on_cuda(tmp_path: Path) -> None:
+    for vectorize in (False, True):
+        (a, theta_a), (b, theta_b) = (
+            run(tmp_path, f"repeat{i}-v{int(vectorize)}", **{"num-rounds": 3, "vectorize": vectorize}) for i in (1, 2)
+        )
+        timing = [c for c in a.columns if c.endswith("seconds")]
+        pd.testing.assert_frame_equal(a.drop(columns=timing), b.drop(columns=timing), check_exact=True)
+        assert all(np.array_equal(x, y) for x, y in zip(theta_a, theta_b, strict=True)), f"vectorize={vectorize}"
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(a) if a == a and a != 0 else float("nan")
+
+
+def theta_relative(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """‖a − b‖ / ‖a‖ over all parameters, in float64."""
+    num = sum(float(np.sum((x.astype(np.float64) - y) ** 2)) for x, y in zip(a, b, strict=True))
+    return (num / sum(float(np.sum(x.astype(np.float64) ** 2)) for x in a)) ** 0.5
+
+
+def drift_runs(out: Path) -> dict[tuple[str, str], dict[int, tuple[pd.Series, list[np.ndarray]]]]:
+    """Rows and θ after 1 and after 5 rounds, per (device, precision)."""
+    runs = {}
+    for device, precision in (("cuda", "float32"), *DRIFT_RUNS):
+        runs[(device, precision)] = {}
+        for rounds in (1, 5):
+            rows, theta = run(out, f"{device}-{precision}-r{rounds}", device=device, precision=precision,
+                              **{"num-rounds": rounds})
+            runs[(device, precision)][rounds] = (rows.iloc[-1], theta)
+    return runs
+
+
+def test_cuda_and_cpu_rows_differ_by(tmp_path: Path) -> None:
+    """Prints the relative differences (a measurement, not a bound); asserts only finite numbers."""
+    runs = drift_runs(tmp_path)
+    reference = runs[("cuda", "float32")]
+    print("\nrelative difference from CUDA float32 (a measurement, not a bound):")
+    print(f"{'run':14s} {'round':>5s} " + " ".join(f"{c:>17s}" for c in COMPARED) + f" {'theta':>10s}")
+    for key in DRIFT_RUNS:
+        for rounds in (1, 5):
+            (ref_row, ref_theta), (row, theta) = reference[rounds], runs[key][rounds]
+            diffs = [relative(float(ref_row[c]), float(row[c])) for c in COMPARED]
+            print(f"{' '.join(key):14s} {rounds:5d} " + " ".join(f"{d:17.2e}" for d in diffs)
+                  + f" {theta_relative(ref_theta, theta):10.2e}")
+    for key, by_rounds in runs.items():
+        for row, _ in by_rounds.values():
+            assert np.isfinite(float(row["recovery"])), f"{key}: 1/ΔS is not finite"
+
+
+TESTS: tuple[Callable[[Path], None], ...] = (
+    test_identical_shards_control_gives_the_ceiling_on_cuda,
+    test_the_same_seed_twice_gives_identical_rows_on_cuda,
+    test_cuda_and_cpu_rows_differ_by,
+)
+
+
+def main() -> int:
+    """Run every test without pytest; exit status 1 when one failed."""
+    if not HAS_CUDA:
+        print("tests/test_cuda.py: SKIPPED (no CUDA device)")
+        return 0
+    print(f"tests/test_cuda.py on {torch.cuda.get_device_name()}, data {data_dir()}", flush=True)
+    failed = 0
+    for test in TESTS:
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="fedmask-cuda-") as tmp:
+            try:
+                test(Path(tmp))
+                print(f"PASSED {test.__name__} ({time.perf_counter() - started:.0f} s)", flush=True)
+            except Exception:  # report every test, then fail
+                traceback.print_exc()
+                print(f"FAILED {test.__name__} ({time.perf_counter() - started:.0f} s)", flush=True)
+                failed += 1
+    print(f"tests/test_cuda.py: {len(TESTS) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The GPU check's pieces on a CPU: the CIFAR-10 subset file that travels with the repo tree (verified,
+never taken for CIFAR-10 proper, recorded by its own hash), and benchmarks/gpu_check.sh --cpu-smoke."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr_runner import PROJECT, SHARED_DATA
+
+from fedmask_app.run import data
+from fedmask_app.run.data import DataError, dataset_sha256, load_cifar10, write_subset
+
+pytestmark = pytest.mark.skipif(not (SHARED_DATA / data.FILE_NAME).is_file(), reason=f"no {SHARED_DATA}")
+
+
+@pytest.fixture
+def subset_dir(tmp_path: Path) -> Path:
+    """A folder holding only a 600 + 100 image subset."""
+    folder = tmp_path / "subset"
+    folder.mkdir()
+    write_subset(load_cifar10(SHARED_DATA), folder / data.SUBSET_FILE_NAME, 600, 100)
+    return folder
+
+
+def _arrays_and_meta(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as npz:
+        return {name: npz[name] for name in npz.files}
+
+
+def test_a_subset_loads_verified_and_names_itself(subset_dir):
+    full = load_cifar10(SHARED_DATA)
+    subset = load_cifar10(subset_dir)
+    assert subset.x_train.shape == (600, 32, 32, 3) and subset.y_test.shape == (100,)
+    np.testing.assert_array_equal(subset.x_train, full.x_train[:600])
+    np.testing.assert_array_equal(subset.y_test, full.y_test[:100])
+    assert subset.sha256 == data.content_sha256(vars(subset)) != data.CONTENT_SHA256
+    assert dataset_sha256(subset_dir) == subset.sha256
+    assert dataset_sha256(SHARED_DATA) == full.sha256 == data.CONTENT_SHA256
+
+
+@pytest.mark.parametrize("change", ["pixels", "subset_of"])
+def test_a_corrupt_or_foreign_subset_is_refused(subset_dir, change):
+    path = subset_dir / data.SUBSET_FILE_NAME
+    arrays = _arrays_and_meta(path)
+    if change == "pixels":
+        arrays["x_train"] = arrays["x_train"].copy()
+        arrays["x_train"][0, 0, 0, 0] ^= 1
+    else:
+        arrays["subset_of"] = np.array("0" * 64)
+    np.savez(path, **arrays)
+    with pytest.raises(DataError, match="corrupt" if change == "pixels" else "not of CIFAR-10"):
+        load_cifar10(subset_dir)
+
+
+def test_a_folder_with_both_files_is_refused(subset_dir):
+    (subset_dir / data.FILE_NAME).symlink_to(SHARED_DATA.resolve() / data.FILE_NAME)
+    with pytest.raises(DataError, match="holds both"):
+        load_cifar10(subset_dir)
+
+
+def test_a_run_on_a_subset_records_the_subsets_hash(subset_dir, tmp_path):
+    from fedmask_app.engines.local import run_local
+    from fedmask_app.run.config import run_config_from_values
+
+    cfg = run_config_from_values({
+        "model": "linear-softmax", "num-clients": 4, "clients-per-round": 2, "num-rounds": 1, "eval-every": 1,
+        "checkpoint-every": 0, "data-dir": str(subset_dir), "output-dir": str(tmp_path), "run-name": "subset",
+    })
+    run_local(cfg, echo=lambda _: None)
+    recorded = json.loads((cfg.run_dir / "config.json").read_text())["data_sha256"]
+    assert recorded == load_cifar10(subset_dir).sha256
+
+
+@pytest.mark.slow
+def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
+    env = {**os.environ, "FEDMASK_GPU_DATA_DIR": str(subset_dir), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--cpu-smoke"], cwd=PROJECT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "flwr/ray modules pulled in: []" in out
+    assert f"content sha256 {load_cifar10(subset_dir).sha256}" in out
+    assert "SKIPPED (no CUDA device)" in out
+    assert "PROJECTION from measured rounds" in out and "projection float32  vectorised" in out
+    assert out.rstrip().endswith("=== gpu_check: all steps passed")
