@@ -1,12 +1,17 @@
-"""fedmask-sweep GRID: every cell x seed of a grid file, one run after another, resumable."""
+"""fedmask-sweep GRID: every cell x seed of a grid file, one run after another, resumable.
+
+With --ray-address the runs are Ray tasks spread across a cluster's nodes instead, several at a
+time, each on the local engine (fedmask_app/sweep/cluster.py; ray is imported only then)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -14,6 +19,9 @@ from fedmask_app.engines.flower.superlink import run_with_flower
 from fedmask_app.run.config import ConfigError, RunConfig, parse_overrides, run_config_from_values
 from fedmask_app.run.results import is_complete
 from fedmask_app.sweep.grid import GridRun, load_grid
+
+if TYPE_CHECKING:
+    from fedmask_app.sweep.cluster import RunOutcome
 
 ROUND_LINE = re.compile(r"\[fedmask\] round (\d+)/(\d+)")
 
@@ -34,19 +42,79 @@ def _run_local(cfg: RunConfig, args: argparse.Namespace, on_round) -> None:
     run_local(cfg, echo=lambda line: on_round(line) if ROUND_LINE.search(line) else None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedmask-sweep", description=__doc__)
+RAY_HELP = """\
+On a Ray cluster (--ray-address): every run is one Ray task asking for --run-cpus/--run-gpus
+(/--run-resources), spread over the nodes, each running the whole run on the local engine (not
+Flower: a Flower simulation inside a Ray task would start a second Ray). Every node needs this
+project installed and the data at data-dir (give an absolute path). Complete runs are skipped and
+incomplete ones resumed as without Ray; a run whose worker or node is lost is retried by Ray
+(--max-retries), a run that raises is reported, not retried.
+
+Choosing where results go:
+  --shared-output (default): output-dir is a path every node sees (NFS or another shared
+      filesystem, or one machine). Runs write there as they go; a lost run resumes from its last
+      checkpoint (checkpoint-every), and rounds.csv never holds a round twice.
+  --no-shared-output: nodes share no filesystem with this machine. Each task runs in a node-local
+      temporary folder and sends the run folder's files (rounds.csv, config.json, checkpoint.pt,
+      shards.csv) back here, where they are written under output-dir; a lost run starts again from
+      round 1 (or from the files here, for a run an earlier sweep left incomplete).
+"""
+
+
+def _resources(text: str) -> dict[str, float]:
+    """--run-resources: a JSON object of custom Ray resources, e.g. '{"node_a": 1}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in value.values()
+    ):
+        raise argparse.ArgumentTypeError('expected a JSON object of amounts >= 0, e.g. \'{"node_a": 1}\'')
+    return {str(k): float(v) for k, v in value.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedmask-sweep", description=__doc__, epilog=RAY_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("grid", type=Path, help="grid file (conf/paper/grid1.toml, conf/mini/grid1.toml, ...)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="run-config overrides for every run")
-    parser.add_argument("--engine", choices=("flower", "local"), default="flower",
-                        help="flower: `flwr run --stream` per run (Ray simulation); local: one process")
+    parser.add_argument("--engine", choices=("flower", "local"), default=None,
+                        help="flower (default): `flwr run --stream` per run (Ray simulation); local: one process; "
+                             "with --ray-address always local")
     parser.add_argument("--output-dir", default=None, help="default: results/<grid file stem>")
     parser.add_argument("--num-cpus", type=int, default=1, help="flower engine: CPUs per virtual client")
     parser.add_argument("--num-gpus", type=float, default=None,
                         help="flower engine: GPU fraction per client (default 0.25 with CUDA, else 0)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
-    parser.add_argument("--verbose", action="store_true", help="flower engine: show Flower's own log lines")
-    args = parser.parse_intermixed_args(argv)
+    parser.add_argument("--verbose", action="store_true",
+                        help="flower engine: show Flower's own log lines; Ray: each run's node and log lines")
+    on_ray = parser.add_argument_group("on a Ray cluster (see below)")
+    on_ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="run the grid's runs as Ray tasks: HOST:PORT of the cluster's head, auto (the cluster "
+                          "`ray start` started on this machine, or RAY_ADDRESS), or local (a private single-node "
+                          "Ray in this process, stopped at the end)")
+    on_ray.add_argument("--run-cpus", type=float, default=1.0, help="CPUs each run's task asks for (default 1)")
+    on_ray.add_argument("--run-gpus", type=float, default=0.0,
+                     help="GPUs each run's task asks for, a fraction shares one; with 0 (default) Ray hides the "
+                          "node's GPUs from the task, so device=auto trains on the CPU")
+    on_ray.add_argument("--run-resources", type=_resources, default={}, metavar="JSON",
+                     help='custom Ray resources each run\'s task asks for, e.g. \'{"node_a": 1}\'')
+    on_ray.add_argument("--shared-output", action=argparse.BooleanOptionalAction, default=True,
+                     help="output-dir is on a filesystem every node shares (default); --no-shared-output: "
+                          "tasks send their run folder's files back to be written here")
+    on_ray.add_argument("--max-retries", type=int, default=3,
+                     help="times Ray retries a run whose worker or node was lost (default 3)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    if args.ray_address and args.engine == "flower":
+        print("fedmask-sweep: --ray-address runs each run on the local engine inside a Ray task "
+              "(a Flower simulation there would start a second Ray): drop --engine flower", file=sys.stderr)
+        return 2
+    args.engine = "local" if args.ray_address else args.engine or "flower"
 
     try:
         runs = load_grid(args.grid)
@@ -59,14 +127,27 @@ def main(argv: list[str] | None = None) -> int:
 
     complete = {run.name: is_complete(cfg.run_dir, cfg.num_rounds) for run, cfg in configs}
     pending = [(run, cfg) for run, cfg in configs if not complete[run.name]]
+    where = f"local engine in Ray tasks at {args.ray_address}" if args.ray_address else f"{args.engine} engine"
     print(f"[sweep] {args.grid}: {len(runs)} runs, {len(runs) - len(pending)} complete, "
-          f"{len(pending)} to run ({args.engine} engine) -> {output_dir}")
+          f"{len(pending)} to run ({where}) -> {output_dir}")
     if args.dry_run:
         for run, _ in configs:
             state = "complete" if complete[run.name] else "to run"
             print(f"  {run.name}: {state}")
         return 0
 
+    try:
+        failed = _sweep_on_ray(pending, args) if args.ray_address else _sweep_here(pending, args)
+    except ConnectionError as exc:  # ray.init found no cluster at --ray-address
+        print(f"fedmask-sweep: {exc}", file=sys.stderr)
+        return 2
+    print(f"[sweep] done: {len(pending) - len(failed)} runs completed, {len(failed)} failed"
+          + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def _sweep_here(pending: list[tuple[GridRun, RunConfig]], args: argparse.Namespace) -> list[str]:
+    """One run after another in this process (local engine) or through `flwr run` (flower)."""
     failed: list[str] = []
     execute = _run_flower if args.engine == "flower" else _run_local
     # Progress in client-epochs (rounds x K_c x tau), so the ETA weighs a tau = 5 round as five tau = 1 rounds.
@@ -94,9 +175,42 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(run.name)
                 tqdm.write(f"[sweep] {run.name} FAILED: rounds.csv is incomplete; see its output above")
                 bar.update(max(0, done_before + work(cfg, cfg.num_rounds) - bar.n))  # keep the ETA honest
-    print(f"[sweep] done: {len(pending) - len(failed)} runs completed, {len(failed)} failed"
-          + (f": {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    return failed
+
+
+def _sweep_on_ray(pending: list[tuple[GridRun, RunConfig]], args: argparse.Namespace) -> list[str]:
+    """Every run as a Ray task (fedmask_app/sweep/cluster.py), reported as each ends; the failed runs."""
+    from fedmask_app.sweep import cluster  # imports ray, so only here
+
+    options = cluster.TaskOptions(cpus=args.run_cpus, gpus=args.run_gpus, resources=args.run_resources,
+                                  shared_output=args.shared_output, max_retries=args.max_retries,
+                                  verbose=args.verbose)
+    by_name = {cfg.name: (run, cfg) for run, cfg in pending}
+    failed: list[str] = []
+    with cluster.connect(args.ray_address, args.verbose) as where:
+        tqdm.write(f"[sweep] on {where}, {'shared' if args.shared_output else 'no shared'} output")
+        if warning := cluster.missing_resources(options):
+            tqdm.write(f"[sweep] warning: {warning}")
+        with tqdm(total=len(pending), unit="run", dynamic_ncols=True) as bar:
+            for outcome in cluster.run_all([cfg for _, cfg in pending], options):
+                run, cfg = by_name[outcome.name]
+                if not _report_run(run, cfg, outcome, args.verbose):
+                    failed.append(run.name)
+                bar.update(1)
+    return failed
+
+
+def _report_run(run: GridRun, cfg: RunConfig, outcome: RunOutcome, verbose: bool) -> bool:
+    """Print how a Ray task's run ended (its node with --verbose); True when the run is complete."""
+    if outcome.error:
+        tqdm.write(f"[sweep] {run.name} raised {outcome.error}")
+    where = f" on node {outcome.node_id} (pid {outcome.pid})" if verbose and outcome.node_id else ""
+    resumed = f", resumed after round {outcome.resumed_after}" if outcome.resumed_after else ""
+    if is_complete(cfg.run_dir, cfg.num_rounds):
+        tqdm.write(f"[sweep] {run.name} complete in {outcome.seconds:.0f}s{where}{resumed}")
+        return True
+    tqdm.write(f"[sweep] {run.name} FAILED{where}: rounds.csv is incomplete; see its output above")
+    return False
 
 
 def grid_run_config(run: GridRun, common: dict) -> RunConfig:
