@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from fedmask_app.engines.flower.superlink import MARKER, PrivateSuperLink
+from fedmask_app.engines.flower.superlink import PrivateSuperLink, marked_processes
 from fedmask_app.run.config import toml_value
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -54,12 +54,4 @@ class FlowerRunner(PrivateSuperLink):
 
 def superlink_tokens() -> set[str]:
     """The markers of every live process started under some PrivateSuperLink (fedmask-run's or a test's)."""
-    tokens = set()
-    for proc in psutil.process_iter():
-        try:
-            token = proc.environ().get(MARKER)
-        except (psutil.Error, OSError):
-            continue
-        if token:
-            tokens.add(token)
-    return tokens
+    return {token for _, token in marked_processes()}

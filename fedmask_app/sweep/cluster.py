@@ -24,7 +24,10 @@ written twice; without shared output it starts again from the files the driver s
 for a fresh run).
 
 ``--ray-address local`` starts a private single-node Ray in this process (loopback only, a
-temporary folder of its own, stopped at the end): the same code path on one machine.
+temporary folder of its own, stopped at the end): the same code path on one machine. To keep it on
+loopback it sets Ray's private ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` (``_loopback_only``;
+only for ``local`` and the tests' clusters): when a Ray upgrade drops it, reading it raises, and
+tests/test_cluster.py::test_runs_spread_over_the_nodes_and_write_what_one_machine_writes fails.
 """
 
 from __future__ import annotations

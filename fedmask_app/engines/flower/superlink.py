@@ -34,6 +34,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def marked_processes() -> list[tuple[psutil.Process, str]]:
+    """Every other live process started under some ``PrivateSuperLink``, with its marker."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            token = proc.environ().get(MARKER)
+        except (psutil.Error, OSError):  # gone, or another user's
+            continue
+        if token:
+            found.append((proc, token))
+    return found
+
+
 def flwr_executable() -> str:
     """``flwr`` beside the running interpreter (a venv used by its full path, not activated),
     else on PATH; a clear error when neither has it."""
@@ -81,16 +96,7 @@ class PrivateSuperLink:
 
     def processes(self) -> list[psutil.Process]:
         """Every live process started under this context (found by the marker in its environment)."""
-        found = []
-        for proc in psutil.process_iter():
-            if proc.pid == os.getpid():
-                continue
-            try:
-                if proc.environ().get(MARKER) == self.token:
-                    found.append(proc)
-            except (psutil.Error, OSError):  # gone, or another user's
-                continue
-        return found
+        return [proc for proc, token in marked_processes() if token == self.token]
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM this context's processes, then SIGKILL what is left after ``grace`` seconds."""
