@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from clients.masking import coordinate_mask
+
 CHUNK = 1 << 16  # elements; a few float64 buffers of this size fit in L2
 
 
@@ -34,13 +36,32 @@ class CohortSums:
 
 
 @dataclass(frozen=True)
+class CoordinateMasks:
+    """Per-coordinate masks the server regenerates: client k's mask of tensor b is
+    ``coordinate_mask(seeds[k], b, size, keep_prob)``."""
+
+    seeds: Sequence[int]  # one per client, in the order of the updates
+    keep_prob: float
+
+    def for_tensor(self, tensor_index: int, size: int) -> list[np.ndarray]:
+        """Every client's mask of one tensor (one draw per distinct seed: synchronized masks share one)."""
+        drawn: dict[int, np.ndarray] = {}
+        for seed in self.seeds:
+            if seed not in drawn:
+                drawn[seed] = coordinate_mask(seed, tensor_index, size, self.keep_prob)
+        return [drawn[seed] for seed in self.seeds]
+
+
+@dataclass(frozen=True)
 class ServerStep:
     """How the pass forms θ − step: step = Σ_k c_kb Δ_k^(b) with c_kb = ``block_coefs[k][b]``
-    (masked), else Σ_k n_k Δ_k / Σ_k n_k (``weighted``) or Σ_k Δ_k / K_c."""
+    (masked; with ``coordinate_masks``, Σ_k c_kb (m_k^(b) ⊙ Δ_k^(b))), else Σ_k n_k Δ_k / Σ_k n_k
+    (``weighted``) or Σ_k Δ_k / K_c."""
 
     params: Sequence[np.ndarray]  # θ
     weighted: bool = True
     block_coefs: Sequence[Sequence[float]] | None = None
+    coordinate_masks: CoordinateMasks | None = None
 
 
 def _check(updates: Sequence[Sequence], weights: Sequence[float]) -> int:
@@ -87,6 +108,9 @@ def _reduce_blocks(
                 raise ValueError(f"block {b}: θ has {theta.size} values, updates have {size}")
             theta_flat = theta.reshape(-1)
             out = np.empty(size, dtype=theta.dtype)
+        masks = None
+        if step is not None and step.coordinate_masks is not None:
+            masks = step.coordinate_masks.for_tensor(b, size)
         for lo in range(0, size, CHUNK):
             n = min(CHUNK, size - lo)
             x, scaled, total, weighted_total, masked_total = (buf[:n] for buf in buffers)
@@ -102,11 +126,13 @@ def _reduce_blocks(
                     weighted_total += scaled
                 if step is not None and step.block_coefs is not None:
                     coef = step.block_coefs[k][b]
-                    if k == 0:
-                        np.multiply(x, coef, out=masked_total)
-                    elif coef != 0.0:
-                        np.multiply(x, coef, out=scaled)
-                        masked_total += scaled
+                    if k == 0 or coef != 0.0:
+                        target = masked_total if k == 0 else scaled
+                        np.multiply(x, coef, out=target)
+                        if masks is not None:
+                            np.multiply(target, masks[k][lo : lo + n], out=target)
+                        if k != 0:
+                            masked_total += scaled
             partial.sq_norm_of_sum += float(np.einsum("i,i->", total, total))
             partial.sq_norm_of_weighted_sum += float(np.einsum("i,i->", weighted_total, weighted_total))
             if step is not None:
@@ -152,6 +178,11 @@ def reduce_cohort(
             raise ValueError(f"model has {len(step.params)} blocks, updates have {num_blocks}")
         if step.block_coefs is not None and any(len(c) != num_blocks for c in step.block_coefs):
             raise ValueError(f"every client needs one mask coefficient per block ({num_blocks})")
+        if step.coordinate_masks is not None:
+            if step.block_coefs is None:
+                raise ValueError("coordinate masks need block_coefs (the w_k / p of every client)")
+            if len(step.coordinate_masks.seeds) != len(updates):
+                raise ValueError(f"{len(step.coordinate_masks.seeds)} mask seeds for {len(updates)} updates")
     groups = _split_blocks([np.size(block) for block in updates[0]], threads or os.cpu_count() or 1)
     new_params: list = [None] * num_blocks
     if len(groups) == 1:

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from clients.masking import coordinate_mask
 from strategies.aggregate import ClientReply, NonFiniteUpdates, aggregate_cohort, client_weights, reply_problem
 from strategies.cohort import sample_cohort
 from strategies.round import RoundFailed, finish_round
@@ -74,6 +75,56 @@ def test_unmasked_weighted_step_by_hand():
     # (1/8)·2 + (3/8)·(−2) + (1/2)·1 = 0.
     np.testing.assert_allclose(result.params[0], [-0.125, -0.5], rtol=0, atol=1e-15)
     np.testing.assert_allclose(result.params[1], [[3.0]], rtol=0, atol=1e-15)
+
+
+def test_server_lr_without_masks_scales_the_fedavg_step_only():
+    """FedExP over unmasked updates: θ − η_g Σ w_k Δ_k, whatever keep-prob is configured (a 1/p here
+    once doubled the step of mask-mode = none runs with keep-prob 0.5)."""
+    unmasked = _replies(keeps=(None, None, None))
+    plain = aggregate_cohort(THETA, unmasked, "weighted", keep_prob=0.5)
+    for lr in (1.0, 3.0):
+        stepped = aggregate_cohort(THETA, unmasked, "weighted", keep_prob=0.5, server_lr=lambda sums, lr=lr: lr)
+        assert stepped.server_lr == lr
+        for got, theta, fedavg in zip(stepped.params, THETA, plain.params, strict=True):
+            np.testing.assert_allclose(got, theta - lr * (theta - fedavg), rtol=1e-14, atol=1e-14)
+
+
+def test_coordinate_masks_are_regenerated_from_the_seeds():
+    """θ − Σ_k w_k (m_k / p) ⊙ Δ_k with m_k = coordinate_mask(seed_k, b, size, p), the replies'
+    block bits ignored; the statistics stay those of the unmasked Δ_k."""
+    replies = _replies()
+    seeds = {7: 11, 2: 12, 5: 13}
+    p = 0.5
+    result = aggregate_cohort(THETA, replies, "weighted", keep_prob=p, coordinate_mask_seeds=seeds)
+    w = {7: 1 / 8, 2: 3 / 8, 5: 1 / 2}
+    for b, theta in enumerate(THETA):
+        masks = {pid: coordinate_mask(seeds[pid], b, theta.size, p).reshape(theta.shape) for pid in seeds}
+        want = theta - sum(w[r.partition_id] * masks[r.partition_id] / p * r.update[b] for r in replies)
+        np.testing.assert_allclose(result.params[b], want, rtol=1e-15, atol=1e-15)
+    unmasked = aggregate_cohort(THETA, _replies(keeps=(None, None, None)), "weighted", keep_prob=p)
+    assert result.stats == unmasked.stats
+    # p = 1 keeps every coordinate: plain FedAvg.
+    every = aggregate_cohort(THETA, replies, "weighted", keep_prob=1.0, coordinate_mask_seeds=seeds)
+    for got, want in zip(every.params, unmasked.params, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_coordinate_masks_with_a_shared_seed_drop_the_same_coordinates_for_everyone():
+    """Synchronized coordinate masks: every client's Δ_k loses the same coordinates, so θ moves
+    only where the one mask keeps them."""
+    rng = np.random.default_rng(3)
+    theta = [rng.normal(size=(40, 5))]
+    replies = [ClientReply(pid, 10, 0.0, [rng.normal(size=(40, 5))], None) for pid in range(4)]
+    result = aggregate_cohort(theta, replies, "uniform", 0.3, coordinate_mask_seeds=dict.fromkeys(range(4), 99))
+    kept = coordinate_mask(99, 0, 200, 0.3).reshape(40, 5)
+    assert 0 < kept.sum() < kept.size
+    np.testing.assert_array_equal(result.params[0][~kept], theta[0][~kept])
+    assert np.all(result.params[0][kept] != theta[0][kept])
+
+
+def test_coordinate_masks_need_a_seed_for_every_reply():
+    with pytest.raises(ValueError, match=r"no coordinate mask seed for partitions \[5\]"):
+        aggregate_cohort(THETA, _replies(), "weighted", 0.5, coordinate_mask_seeds={7: 1, 2: 2})
 
 
 def test_cohort_result_bookkeeping():

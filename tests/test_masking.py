@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from clients.masking import apply_mask, block_mask, mask_scales
+from clients.masking import apply_mask, block_mask, cohort_mask_seeds, coordinate_mask, mask_scales
 from clients.seeds import (
     batch_order_seed,
     derive_seed,
@@ -195,3 +195,39 @@ def test_every_purpose_has_a_stream_of_its_own():
     for seed in (0, 7):
         partition_stream = np.random.SeedSequence(seed).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1)
         assert all(derive_seed(seed, tag) != int(partition_stream) for tag in PURPOSES)
+
+
+def test_coordinate_mask_is_deterministic_per_seed_and_tensor():
+    a = coordinate_mask(5, 0, 1000, 0.5)
+    assert a.dtype == bool and a.shape == (1000,)
+    np.testing.assert_array_equal(a, coordinate_mask(5, 0, 1000, 0.5))
+    assert not np.array_equal(a, coordinate_mask(5, 1, 1000, 0.5))  # another tensor
+    assert not np.array_equal(a, coordinate_mask(6, 0, 1000, 0.5))  # another seed
+    # a tensor's mask does not depend on how big the others are: only on (seed, tensor index)
+    np.testing.assert_array_equal(coordinate_mask(5, 1, 10, 0.5), coordinate_mask(5, 1, 1000, 0.5)[:10])
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
+def test_coordinate_keep_frequency_is_p(p):
+    kept = coordinate_mask(1, 3, 200_000, p)
+    assert abs(kept.mean() - p) < 5 * np.sqrt(p * (1 - p) / kept.size)
+
+
+def test_coordinate_mask_streams_differ_from_the_block_mask_of_the_same_seed():
+    """Child streams (spawn keys) of the mask seed, not the seed's own stream."""
+    u_block = np.random.default_rng(5).random(64, dtype=np.float32)
+    assert not np.array_equal(coordinate_mask(5, 0, 64, 0.5), u_block < 0.5)
+
+
+def test_coordinate_mask_keeps_everything_at_p_one_and_rejects_bad_p():
+    assert coordinate_mask(2, 0, 5000, 1.0).all()
+    with pytest.raises(ValueError, match="keep_prob"):
+        coordinate_mask(2, 0, 10, 0.0)
+
+
+def test_cohort_mask_seeds_follow_the_mode():
+    assert cohort_mask_seeds("none", 0, 3, [1, 2], None) == {}
+    assert cohort_mask_seeds("synchronized", 0, 3, [1, 2], 77) == {1: 77, 2: 77}
+    indep = cohort_mask_seeds("independent", 0, 3, [1, 2], None)
+    assert indep == {pid: independent_mask_seed(0, 3, pid) for pid in (1, 2)}
+    assert len(set(indep.values())) == 2
