@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from clients.seeds import independent_mask_seed
+from clients.seeds import independent_mask_seed, synchronized_mask_seed
 
 
 def block_mask(seed: int, num_blocks: int, keep_prob: float) -> np.ndarray:
@@ -56,13 +56,17 @@ def mask_seed(mask_mode: str, run_seed: int, server_round: int, partition_id: in
     raise ValueError(f"unknown mask mode {mask_mode!r}: expected none, independent or synchronized")
 
 
-def cohort_mask_seeds(
-    mask_mode: str, run_seed: int, server_round: int, partition_ids: Sequence[int], sync_seed: int | None,
-) -> dict[int, int]:
-    """partition id -> mask seed of every client of a cohort (``mask_seed``); empty when masking is off.
-    The server regenerates coordinate masks from these."""
-    seeds = {pid: mask_seed(mask_mode, run_seed, server_round, pid, sync_seed) for pid in partition_ids}
-    return {pid: seed for pid, seed in seeds.items() if seed is not None}
+def coordinate_mask_seeds(
+    mask_mode: str, granularity: str, run_seed: int, server_round: int, partition_ids: Sequence[int],
+) -> dict[int, int] | None:
+    """What the server regenerates a cohort's coordinate masks from: partition id -> mask seed
+    (``mask_seed``). None when masking is off or per tensor (those masks travel with the replies)."""
+    if granularity == "tensor" or mask_mode == "none":
+        return None
+    if granularity != "coordinate":
+        raise ValueError(f"unknown mask granularity {granularity!r}: expected tensor or coordinate")
+    sync_seed = synchronized_mask_seed(run_seed, server_round) if mask_mode == "synchronized" else None
+    return {pid: mask_seed(mask_mode, run_seed, server_round, pid, sync_seed) for pid in partition_ids}
 
 
 def client_block_mask(

@@ -1,4 +1,4 @@
-"""MaskedFedAvg: Flower's Message-API FedAvg with seeded cohorts over partition ids, block-masked
+"""MaskedFedAvg: Flower's Message-API FedAvg with seeded cohorts over partition ids, masked
 updates and the paper's statistics every round; and the message layout it reads and writes.
 
 Message layout
@@ -6,9 +6,10 @@ Message layout
   "config" ConfigRecord {"server-round", "keep-prob" (this round's p), and "mask-seed" in
   synchronized mode}.
 - train reply: "update" ArrayRecord Δ_k = θ − θ_k, unmasked, same keys; "metrics" MetricRecord
-  {"num-examples", "train-loss", "partition-id"}; with masking on, "mask" ConfigRecord {"keep":
-  list[bool], one m^(b) per block}. The server applies (m^(b)/p) when it averages and computes
-  the statistics on the unmasked Δ_k.
+  {"num-examples", "train-loss", "partition-id"}; with per-tensor masks, "mask" ConfigRecord
+  {"keep": list[bool], one m^(b) per tensor}. Coordinate masks are not sent: the server
+  regenerates each client's from its mask seed (``clients.masking.coordinate_mask_seeds``). The
+  server applies (m/p) when it averages and computes the statistics on the unmasked Δ_k.
 - query (once per run): the reply's "node" ConfigRecord {"partition-id"} maps partitions to nodes.
 
 Arrays are Flower's own .npy layout (``stype = "numpy.ndarray"``), so any Flower code reads these
@@ -34,6 +35,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from numpy.lib import format as npy
 
+from clients.masking import coordinate_mask_seeds
 from clients.seeds import synchronized_mask_seed
 from strategies.aggregate import ClientReply, ServerLr
 from strategies.cohort import sample_cohort
@@ -137,6 +139,7 @@ class MaskedFedAvg(FedAvg):
     def __init__(
         self, *, seed: int, num_clients: int, clients_per_round: int, mask_mode: str, keep_prob: float,
         aggregation: str, min_clients: int, round_timeout: float, node_wait: float | None = None,
+        mask_granularity: str = "tensor",
     ):
         """``node_wait``: how long to wait for ``num_clients`` nodes to connect (default
         ``round_timeout``: a deployment's SuperNodes join over time; a simulation's are all there
@@ -151,6 +154,7 @@ class MaskedFedAvg(FedAvg):
         self.num_clients = num_clients
         self.clients_per_round = clients_per_round
         self.mask_mode = mask_mode
+        self.mask_granularity = mask_granularity
         self.keep_prob = keep_prob
         self.aggregation = aggregation
         self.min_clients = min_clients
@@ -239,6 +243,9 @@ class MaskedFedAvg(FedAvg):
             server_round, record_views(self._round_arrays), good, failures,
             aggregation=self.aggregation, keep_prob=self._round_keep_prob, min_clients=self.min_clients,
             server_lr=server_lr,
+            coordinate_mask_seeds=coordinate_mask_seeds(
+                self.mask_mode, self.mask_granularity, self.seed, server_round, sorted(self._round_cohort.values())
+            ),
         )
 
     def aggregate_train(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,11 +45,13 @@ def finish_round(
     keep_prob: float,
     min_clients: int,
     server_lr: ServerLr | None = None,
+    coordinate_mask_seeds: Mapping[int, int] | None = None,
 ) -> RoundOutcome:
     """Leave out replies of the wrong layout or with NaN/Inf, then aggregate the good ones.
 
     ``failures`` are reasons already known (a client raised or timed out). Raises RoundFailed
-    when fewer than ``min_clients`` good replies remain.
+    when fewer than ``min_clients`` good replies remain. ``coordinate_mask_seeds`` (partition id
+    -> mask seed): the masks are per coordinate and regenerated here (``aggregate_cohort``).
     """
     shapes = [p.shape for p in global_params]
     dtypes = [p.dtype for p in global_params]
@@ -70,7 +72,7 @@ def finish_round(
                 f"left out: {'; '.join(failures) or 'none'}"
             )
         try:
-            result = aggregate_cohort(global_params, good, aggregation, keep_prob, server_lr)
+            result = aggregate_cohort(global_params, good, aggregation, keep_prob, server_lr, coordinate_mask_seeds)
         except NonFiniteUpdates as exc:
             failures.extend(f"partition {pid}: update holds NaN or Inf" for pid in exc.partition_ids)
             good = [r for r in good if r.partition_id not in exc.partition_ids]

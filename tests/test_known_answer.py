@@ -52,7 +52,7 @@ import pytest
 import torch
 from flwr_runner import SHARED_DATA, write_run_config
 
-from clients.masking import block_mask
+from clients.masking import block_mask, coordinate_mask
 from clients.seeds import batch_order_seed, independent_mask_seed, synchronized_mask_seed
 from fedmask_app.engines.local import run_local
 from fedmask_app.run.client_task import client_shards
@@ -110,17 +110,20 @@ class Reference:
     deltas: list[dict[int, list[np.ndarray]]] = field(default_factory=list)  # per round: pid -> Δ_k
     grads: list[dict[int, list[np.ndarray]]] = field(default_factory=list)  # per round: pid -> ∇L_k(θ)
     sizes: dict[int, int] = field(default_factory=dict)
-    masks: list[dict[int, np.ndarray]] = field(default_factory=list)  # per round: pid -> keep per block
+    masks: list[dict[int, np.ndarray | list[np.ndarray]]] = field(default_factory=list)  # per round: pid -> keep
+    # per block (per tensor: a bool each; per coordinate: a bool array shaped like each tensor)
 
 
 def reference_run(cfg: RunConfig, bug: str | None = None) -> Reference:
     """The run ``cfg`` describes, in float64 numpy. ``bug`` computes it the wrong way on purpose:
-    "sign", "alias", "no-rescale", "double-rescale", "shared-order", "no-shuffle"."""
+    "sign", "alias", "no-rescale", "double-rescale", "shared-order", "no-shuffle", "tensor-masks"
+    (per-tensor masks where the run drew them per coordinate)."""
     data = load_cifar10(resolve_data_dir(cfg.data_dir))
     shards = client_shards(cfg, data.y_train)
     theta = [p.double().numpy() for p in initial_parameters(cfg.model, cfg.seed)]
     ref = Reference(thetas=[theta], rows=[])
     x_test, y_test = features(data.x_test[: cfg.test_subset]), data.y_test[: cfg.test_subset]
+    keep_prob = cfg.keep_prob  # p_t: round 1's, then the calibrated schedule's
     for server_round in range(1, cfg.num_rounds + 1):
         cohort = sample_cohort(cfg.seed, server_round, range(cfg.num_clients), cfg.clients_per_round)
         deltas, grads, counts, losses, masks = {}, {}, {}, {}, {}
@@ -148,21 +151,34 @@ def reference_run(cfg: RunConfig, bug: str | None = None) -> Reference:
             losses[pid] = loss_sum / (n * cfg.local_epochs)
             delta = [theta[0] - w, theta[1] - b]
             deltas[pid] = [-d for d in delta] if bug == "sign" else delta
-            if cfg.mask_mode == "independent":
-                masks[pid] = block_mask(independent_mask_seed(cfg.seed, server_round, pid), 2, cfg.keep_prob)
-            elif cfg.mask_mode == "synchronized":
-                masks[pid] = block_mask(synchronized_mask_seed(cfg.seed, server_round), 2, cfg.keep_prob)
-            else:
+            seed = {
+                "independent": independent_mask_seed(cfg.seed, server_round, pid),
+                "synchronized": synchronized_mask_seed(cfg.seed, server_round),
+            }.get(cfg.mask_mode)
+            if seed is None:
                 masks[pid] = np.ones(2, dtype=bool)
+            elif cfg.mask_granularity == "coordinate" and bug != "tensor-masks":
+                masks[pid] = [coordinate_mask(seed, blk, t.size, keep_prob).reshape(t.shape)
+                              for blk, t in enumerate(theta)]
+            else:
+                masks[pid] = block_mask(seed, 2, keep_prob)
         if bug == "alias":  # every reply reads the buffer the last client wrote
             deltas = {pid: deltas[cohort[-1]] for pid in cohort}
         total = sum(counts.values())
         weights = {pid: (counts[pid] / total if cfg.aggregation == "weighted" else 1 / len(cohort)) for pid in cohort}
-        scale = {"no-rescale": 1.0, "double-rescale": 1 / cfg.keep_prob**2}.get(bug, 1 / cfg.keep_prob)
+        scale = {"no-rescale": 1.0, "double-rescale": 1 / keep_prob**2}.get(bug, 1 / keep_prob)
         if cfg.mask_mode == "none":
             scale = 1.0
+        flat = {pid: np.concatenate([d.ravel() for d in deltas[pid]]) for pid in cohort}
+        mean_update = sum(weights[pid] * flat[pid] for pid in cohort)
+        b_w = float(mean_update @ mean_update)  # ‖Σ_k w_k Δ_k‖²
+        server_lr = 1.0
+        if cfg.server_step == "fedexp":  # η_g = max{1, Σ w_k‖Δ_k‖² / (2(B_w + K_c ε_t))}, ε_t = ε_0 0.998^(2t)
+            a_w = sum(weights[pid] * float(flat[pid] @ flat[pid]) for pid in cohort)
+            epsilon = cfg.fedexp_epsilon * 0.998 ** (2 * server_round)
+            server_lr = max(1.0, a_w / (2 * (b_w + len(cohort) * epsilon)))
         theta = [
-            theta[blk] - sum(weights[pid] * masks[pid][blk] * scale * deltas[pid][blk] for pid in cohort)
+            theta[blk] - server_lr * sum(weights[pid] * masks[pid][blk] * scale * deltas[pid][blk] for pid in cohort)
             for blk in range(2)
         ]
         ref.thetas.append(theta)
@@ -175,8 +191,12 @@ def reference_run(cfg: RunConfig, bug: str | None = None) -> Reference:
             "num_examples": total,
             "num_clients": len(cohort),
             "cohort": " ".join(map(str, cohort)),
+            "server_lr": server_lr,
+            "keep_prob_round": keep_prob,
             **evaluation(theta, x_test, y_test),
         })
+        if cfg.keep_prob_schedule == "calibrated":  # p_{t+1} = B_t / (B_t + 2c), clipped to [p_min, 1]
+            keep_prob = min(1.0, max(cfg.keep_prob_min, b_w / (b_w + 2 * cfg.penalty_target)))
     return ref
 
 
@@ -231,13 +251,17 @@ def mismatches(run: RunOutput, ref: Reference) -> list[str]:
     for r, expected in enumerate(ref.rows):
         got = run.rows.iloc[r]
         scale = expected["mean_sq_norm"]  # σ̂² and ‖μ̂‖² are differences of terms of this size
-        for column in (*STATS, "train_loss", "test_loss"):
+        for column in (*STATS, "train_loss", "test_loss", "server_lr"):
             atol = STAT_RTOL * scale if column in ("sigma2_hat", "mu2_hat") else 0.0
             if not math.isclose(float(got[column]), expected[column], rel_tol=STAT_RTOL, abs_tol=atol):
                 found.append(f"round {r + 1} {column}: run {got[column]!r}, reference {expected[column]!r}")
         if abs(float(got["test_accuracy"]) - expected["test_accuracy"]) > 1.5 / TEST_SUBSET:  # one near-tie may flip
             found.append(f"round {r + 1} test_accuracy: run {got['test_accuracy']}, "
                          f"reference {expected['test_accuracy']}")
+        if run.rows["keep_prob_round"].notna().any() and not math.isclose(
+                float(got["keep_prob_round"]), expected["keep_prob_round"], rel_tol=STAT_RTOL):
+            found.append(f"round {r + 1} keep_prob_round: run {got['keep_prob_round']}, "
+                         f"reference {expected['keep_prob_round']}")
         for column in ("num_examples", "num_clients", "cohort", "num_failures"):
             want = 0 if column == "num_failures" else expected[column]
             if str(got[column]) != str(want):
@@ -279,6 +303,45 @@ def test_local_engine_matches_the_numpy_reference(tmp_path, mask_mode, aggregati
     """Client by client, and the whole cohort in one batched computation (``vectorize``)."""
     cfg, run = local_run(tmp_path, mask_mode, aggregation, batch, vectorize=vectorize)
     assert mismatches(run, reference_run(cfg)) == []
+
+
+COORDINATE_CONFIGS = [("independent", "weighted", "minibatch"), ("synchronized", "uniform", "full")]
+
+
+@pytest.mark.parametrize(("mask_mode", "aggregation", "batch"), COORDINATE_CONFIGS,
+                         ids=["-".join(c) for c in COORDINATE_CONFIGS])
+def test_coordinate_masks_match_the_numpy_reference(tmp_path, mask_mode, aggregation, batch):
+    """mask-granularity = "coordinate": every weight its own Bernoulli(p) draw, regenerated by the
+    server from the clients' mask seeds."""
+    cfg, run = local_run(tmp_path, mask_mode, aggregation, batch, **{"mask-granularity": "coordinate"})
+    ref = reference_run(cfg)
+    assert mismatches(run, ref) == []
+    assert mismatches(run, reference_run(cfg, "tensor-masks")) != []
+    for masks in ref.masks:  # every tensor has kept and dropped coordinates
+        for per_tensor in masks.values():
+            assert all(0 < m.sum() < m.size for m in per_tensor)
+
+
+SERVER_STEP_CONFIGS = {  # name -> (mask-mode, aggregation, batch, overrides)
+    "fedexp-unmasked": ("none", "weighted", "full", {"server-step": "fedexp", "fedexp-epsilon": 1e-8}),
+    "fedexp-independent": ("independent", "uniform", "minibatch", {"server-step": "fedexp"}),
+    "calibrated": ("synchronized", "weighted", "minibatch",
+                   {"keep-prob-schedule": "calibrated", "penalty-target": 0.002, "num-rounds": 3}),
+}
+
+
+@pytest.mark.parametrize("name", list(SERVER_STEP_CONFIGS))
+def test_server_steps_match_the_numpy_reference(tmp_path, name):
+    """FedExP's η_g and the calibrated keep-prob, each from its equation (strategies/server_step.py's
+    docstrings), against a run of the local engine; η_g > 1 and p_t != keep-prob actually happen."""
+    mask_mode, aggregation, batch, overrides = SERVER_STEP_CONFIGS[name]
+    cfg, run = local_run(tmp_path, mask_mode, aggregation, batch, **overrides)
+    ref = reference_run(cfg)
+    assert mismatches(run, ref) == []
+    if cfg.server_step == "fedexp":
+        assert max(row["server_lr"] for row in ref.rows) > 1.05
+    else:
+        assert len({round(row["keep_prob_round"], 6) for row in ref.rows}) == cfg.num_rounds
 
 
 def test_the_setup_exercises_what_it_checks(tmp_path):
@@ -359,16 +422,21 @@ def test_the_comparison_rejects_broken_references(tmp_path):
 
 
 
-FLOWER_CONFIGS = [("synchronized", "uniform", "minibatch"), ("none", "weighted", "full")]
+FLOWER_CONFIGS = [
+    ("synchronized", "uniform", "minibatch", "tensor"),
+    ("none", "weighted", "full", "tensor"),
+    ("independent", "weighted", "full", "coordinate"),
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mask_mode", "aggregation", "batch"), FLOWER_CONFIGS, ids=["-".join(c) for c in FLOWER_CONFIGS]
+    ("mask_mode", "aggregation", "batch", "granularity"), FLOWER_CONFIGS, ids=["-".join(c) for c in FLOWER_CONFIGS]
 )
-def test_flower_run_matches_the_numpy_reference(flower, tmp_path, mask_mode, aggregation, batch):
-    name = f"flwr-{mask_mode}-{aggregation}-{batch}"
-    values = run_values(tmp_path, name, mask_mode, aggregation, *config_args(batch))
+def test_flower_run_matches_the_numpy_reference(flower, tmp_path, mask_mode, aggregation, batch, granularity):
+    name = f"flwr-{mask_mode}-{aggregation}-{batch}-{granularity}"
+    values = run_values(tmp_path, name, mask_mode, aggregation, *config_args(batch),
+                        **{"mask-granularity": granularity})
     config = write_run_config(tmp_path / f"{name}.toml", values)
     cfg = load_run_config([str(config)])
     done = flower.run(config, NUM_CLIENTS)

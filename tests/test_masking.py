@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from clients.masking import apply_mask, block_mask, cohort_mask_seeds, coordinate_mask, mask_scales
+from clients.masking import apply_mask, block_mask, coordinate_mask, coordinate_mask_seeds, mask_scales
 from clients.seeds import (
     batch_order_seed,
     derive_seed,
@@ -225,9 +225,13 @@ def test_coordinate_mask_keeps_everything_at_p_one_and_rejects_bad_p():
         coordinate_mask(2, 0, 10, 0.0)
 
 
-def test_cohort_mask_seeds_follow_the_mode():
-    assert cohort_mask_seeds("none", 0, 3, [1, 2], None) == {}
-    assert cohort_mask_seeds("synchronized", 0, 3, [1, 2], 77) == {1: 77, 2: 77}
-    indep = cohort_mask_seeds("independent", 0, 3, [1, 2], None)
+def test_coordinate_mask_seeds_follow_the_mode():
+    assert coordinate_mask_seeds("none", "coordinate", 0, 3, [1, 2]) is None
+    assert coordinate_mask_seeds("independent", "tensor", 0, 3, [1, 2]) is None  # bits travel with replies
+    sync = synchronized_mask_seed(0, 3)
+    assert coordinate_mask_seeds("synchronized", "coordinate", 0, 3, [1, 2]) == {1: sync, 2: sync}
+    indep = coordinate_mask_seeds("independent", "coordinate", 0, 3, [1, 2])
     assert indep == {pid: independent_mask_seed(0, 3, pid) for pid in (1, 2)}
     assert len(set(indep.values())) == 2
+    with pytest.raises(ValueError, match="granularity"):
+        coordinate_mask_seeds("independent", "row", 0, 3, [1])

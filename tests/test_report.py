@@ -362,6 +362,27 @@ def test_curvature_figure_is_a_png(tmp_path, sign):
     assert fig.axes[1].get_xscale() == ("log" if sign > 0 else "symlog")
 
 
+def test_comparison_orders_cells_fedavg_first_then_by_mask(tmp_path):
+    """Unmasked FedAvg, unmasked FedExP, then each mask mode with per-tensor masks before coordinate
+    masks; runs that differ only in mask-granularity are a comparison too."""
+    cells = {
+        "coord": {"mask-mode": "independent", "mask-granularity": "coordinate"},
+        "fedexp": {"server-step": "fedexp", "keep-prob": 0.8},
+        "tensor": {"mask-mode": "independent", "mask-granularity": "tensor"},
+        "fedavg": {"server-step": "fedavg", "keep-prob": 0.8},
+    }
+    for name, config in cells.items():
+        write_run(tmp_path, name, config, rows([1] * 6, test_accuracy=[.1] * 6))
+    runs = report.run_summary(report.load_runs([tmp_path]), window=4)
+    table = report.comparison_table(runs)
+    order = list(zip(table["mask-mode"], table["server-step"].fillna("fedavg"), table["mask-granularity"],
+                     strict=True))
+    assert order == [("none", "fedavg", "tensor"), ("none", "fedexp", "tensor"),
+                     ("independent", "fedavg", "tensor"), ("independent", "fedavg", "coordinate")]
+    masked = runs[runs["mask-mode"] == "independent"]
+    assert report.compares_training(masked)
+
+
 def test_comparison_table_and_figure(tmp_path, capsys):
     """Cell FedAvg: an older run without mask-mode/keep-prob keys (seed 0) and one with them (seed 1):
     test accuracy [.2 .. .5] and [.1, .3, .6, .4, .5, .45] -> final 0.5 / 0.45 (median 0.475, min 0.45,

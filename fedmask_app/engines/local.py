@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from clients.masking import coordinate_mask_seeds
 from clients.seeds import synchronized_mask_seed
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import RunConfig
@@ -41,9 +42,11 @@ def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
                     replies.append(task.train(partition_id, server_round, params, sync_seed, keep_prob=keep_prob))
                 except Exception as exc:  # a failing client is left out, as in the Flower app
                     failures.append(f"partition {partition_id}: {type(exc).__name__}: {exc}")
+        mask_seeds = coordinate_mask_seeds(cfg.mask_mode, cfg.mask_granularity, cfg.seed, server_round, cohort)
         return finish_round(
             server_round, params, replies, failures,
             aggregation=cfg.aggregation, keep_prob=keep_prob, min_clients=cfg.min_clients, server_lr=server_lr,
+            coordinate_mask_seeds=mask_seeds,
         )
 
     return train_round

@@ -1,5 +1,6 @@
 """Does masking help? Cells that differ in how they train (mask-mode, keep-prob, server-step,
-keep-prob-schedule; runs without these keys count as none / 0.5 / fedavg / fixed) side by side.
+keep-prob-schedule, mask-granularity; runs without these keys count as none / 0.5 / fedavg /
+fixed / tensor) side by side.
 
 Per run (``run_finals``, part of run_summary): the test accuracy of the last round that has one
 (final) and the best over all rounds, the last train loss, and λ_max and tr H at the last round
@@ -16,7 +17,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-TRAINING_KEYS = ("mask-mode", "keep-prob", "server-step", "keep-prob-schedule")
+TRAINING_KEYS = ("mask-mode", "keep-prob", "server-step", "keep-prob-schedule", "mask-granularity")
 FINALS = ("final_test_accuracy", "best_test_accuracy", "final_train_loss", "final_lambda_max", "final_trace")
 COMPARED = (*FINALS, "recovery")
 SPREAD_NOTE = "median across seeds; spread = min-max across seeds"
@@ -41,8 +42,8 @@ def run_finals(group: pd.DataFrame) -> dict:
 
 
 def compares_training(runs: pd.DataFrame) -> bool:
-    """Whether the runs differ in mask-mode or server-step (the CLI then writes comparison.*)."""
-    return any(k in runs and runs[k].map(str).nunique() > 1 for k in ("mask-mode", "server-step"))
+    """Whether the runs differ in mask-mode, server-step or mask-granularity (the CLI then writes comparison.*)."""
+    return any(k in runs and runs[k].map(str).nunique() > 1 for k in ("mask-mode", "server-step", "mask-granularity"))
 
 
 def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -62,8 +63,8 @@ def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
     if table.empty:
         return table
     def order(i: int) -> tuple:
-        mask, step, schedule, p = (str(table.iloc[i][k]) for k in TRAINING_KEYS)
-        return mask != "none", mask, step != "fedavg", step, schedule, p
+        mask, p, step, schedule, granularity = (str(table.iloc[i][k]) for k in TRAINING_KEYS)
+        return mask != "none", mask, granularity != "tensor", step != "fedavg", step, schedule, p
 
     return table.iloc[sorted(range(len(table)), key=order)].reset_index(drop=True)
 

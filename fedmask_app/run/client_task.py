@@ -42,10 +42,13 @@ def local_training(cfg: RunConfig) -> LocalTraining:
 
 def client_mask(cfg: RunConfig, server_round: int, partition_id: int, sync_seed: int | None, num_blocks: int,
                 keep_prob: float | None = None):
-    """The block mask this client draws (at the round's ``keep_prob``, else the configured one),
-    or None when masking is off (``client_block_mask``)."""
+    """The per-tensor mask this client draws and sends (at the round's ``keep_prob``, else the
+    configured one), or None when masking is off or per coordinate (``client_block_mask``)."""
+    if cfg.mask_granularity == "coordinate":
+        return None  # the server regenerates coordinate masks (coordinate_mask_seeds)
     p = cfg.keep_prob if keep_prob is None else keep_prob
     return client_block_mask(cfg.mask_mode, p, num_blocks, cfg.seed, server_round, partition_id, sync_seed)
+
 
 
 class ClientTask:

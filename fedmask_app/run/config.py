@@ -179,11 +179,6 @@ class RunConfig:
             _require(value >= 2, key, value, "an integer >= 2 (a standard error needs two)")
         _require(self.mask_granularity in GRANULARITIES, "mask-granularity", self.mask_granularity,
                  f"one of {', '.join(GRANULARITIES)}")
-        _require(
-            self.mask_granularity == "tensor" or self.mask_mode == "none", "mask-granularity", self.mask_granularity,
-            "'tensor' while training with masks (mask-mode != none): coordinate masks are measured "
-            "(curvature-every), not yet trained with",
-        )
         _require(0 < self.lanczos_tol < 1, "lanczos-tol", self.lanczos_tol, "a relative tolerance in (0, 1)")
         _require(self.lanczos_max_iter >= 2, "lanczos-max-iter", self.lanczos_max_iter, "an integer >= 2")
         if self.probe_file:

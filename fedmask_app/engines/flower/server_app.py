@@ -62,7 +62,7 @@ class FlowerRounds:
             seed=cfg.seed, num_clients=cfg.num_clients, clients_per_round=cfg.clients_per_round,
             mask_mode=cfg.mask_mode, keep_prob=cfg.keep_prob, aggregation=cfg.aggregation,
             min_clients=cfg.min_clients, round_timeout=cfg.round_timeout,
-            node_wait=SIMULATION_NODE_WAIT if simulation else None,
+            node_wait=SIMULATION_NODE_WAIT if simulation else None, mask_granularity=cfg.mask_granularity,
         )
 
     def __call__(
