@@ -50,7 +50,6 @@ def client_mask(cfg: RunConfig, server_round: int, partition_id: int, sync_seed:
     return client_block_mask(cfg.mask_mode, p, num_blocks, cfg.seed, server_round, partition_id, sync_seed)
 
 
-
 class ClientTask:
     """Model, data and shards of one process; ``train`` runs one client's round."""
 
