@@ -383,6 +383,18 @@ def test_comparison_orders_cells_fedavg_first_then_by_mask(tmp_path):
     assert report.compares_training(masked)
 
 
+@pytest.mark.parametrize(("config", "label"), [
+    ({"mask-mode": "none", "server-step": "fedavg"}, "no mask"),
+    ({"mask-mode": "none", "server-step": "fedexp"}, "no mask FedExP"),
+    ({"mask-mode": "independent", "keep-prob": 0.8, "mask-granularity": "tensor"}, "indep. p=0.8"),
+    ({"mask-mode": "independent", "keep-prob": 0.5, "mask-granularity": "coordinate"}, "indep. p=0.5 per coord."),
+    ({"mask-mode": "synchronized", "keep-prob-schedule": "calibrated", "penalty-target": 0.025},
+     "sync. calibrated c=0.025"),
+])
+def test_training_label_names_how_a_cell_trains(config, label):
+    assert report.comparison.training_label(config) == label
+
+
 def test_comparison_table_and_figure(tmp_path, capsys):
     """Cell FedAvg: an older run without mask-mode/keep-prob keys (seed 0) and one with them (seed 1):
     test accuracy [.2 .. .5] and [.1, .3, .6, .4, .5, .45] -> final 0.5 / 0.45 (median 0.475, min 0.45,
