@@ -8,7 +8,7 @@
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
 # (control, repetition, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py (rounds per cell, precision
-# and path; the protocol's projected time). Every step runs, each under a time limit; the exit
+# and path; the protocol's projected time; then 4 and 8 runs sharing the GPU at once). Every step runs, each under a time limit; the exit
 # status is 1 when one failed. GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
 
 set -u
@@ -83,13 +83,17 @@ if [[ $SMOKE != 1 ]] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.
     echo "=== gpu_check: FAILED, torch sees no CUDA device (on a CPU machine use --cpu-smoke)"
     exit 1
 fi
-step "imports without flwr/ray" 60 "$PY" -c "$IMPORTS_PY"
-step "data" 60 "$PY" -c "$DATA_PY" "$DATA_DIR"
-step "tests/test_cuda.py" 120 "$PY" tests/test_cuda.py
+step "imports without flwr/ray" 30 "$PY" -c "$IMPORTS_PY"
+step "data" 30 "$PY" -c "$DATA_PY" "$DATA_DIR"
+step "tests/test_cuda.py" 150 "$PY" tests/test_cuda.py
 if [[ $SMOKE == 1 ]]; then
-    step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR"
+    step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
+        --concurrent 2
 else
-    step "benchmarks/gpu_timing.py" 240 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" --budget-s 180
+    # --budget-s skips the configurations left once 150 s have passed; --config-cap-s ends one
+    # configuration's timed rounds after 12 s (at least one round is timed).
+    step "benchmarks/gpu_timing.py" 330 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --budget-s 150 --config-cap-s 12 --concurrent 4 8
 fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "=== gpu_check: FAILED steps: ${FAILED[*]}"

@@ -15,6 +15,11 @@ cells × 3 seeds × 200 rounds, K_c = 10 clients of 500 images a round; a cell's
 its batch size's measured images/s applied to 10 · 500 · τ images, i.e. linear in τ from the
 measured τ, plus one test-set evaluation per round.
 
+``--concurrent N ...`` also starts N copies of this script at once (float32, sequential, the
+three cells, one after another with a barrier before each cell's timed rounds, so that their
+timed rounds overlap), as N runs of a sweep sharing one GPU would (``fedmask-sweep --ray-address
+... --run-gpus 1/N``), and prints their summed images/s against one process's.
+
     python benchmarks/gpu_timing.py --data-dir .gpu-data            # GPU, a few minutes
     python benchmarks/gpu_timing.py --quick --device cpu            # CPU check of the script (tiny model)
 """
@@ -23,7 +28,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +77,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--test-images", type=int, default=TEST_IMAGES, help="images of the timed evaluation")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--budget-s", type=float, default=0.0, help="skip configurations once past this (0: none)")
+    parser.add_argument("--config-cap-s", type=float, default=0.0,
+                        help="stop a configuration's timed rounds once it has run this long (0: none)")
+    parser.add_argument("--cells", nargs="+", choices=[c[0] for c in CELLS], default=[c[0] for c in CELLS])
+    parser.add_argument("--paths", nargs="+", choices=[p[0] for p in PATHS], default=[p[0] for p in PATHS])
+    parser.add_argument("--concurrent", nargs="*", type=int, default=[],
+                        help="also time N processes at once (float32, sequential), for each N given")
+    parser.add_argument("--concurrent-cells", nargs="+", choices=[c[0] for c in CELLS], default=["bs32-tau2"],
+                        help="the cells --concurrent times (default: bs32-tau2, the launch-bound one)")
+    parser.add_argument("--worker-json", default="", help=argparse.SUPPRESS)  # a --concurrent worker's output
+    parser.add_argument("--barrier", default="", help=argparse.SUPPRESS)  # folder of its ready files
+    parser.add_argument("--barrier-count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true",
                         help="a CPU check of the script, not a timing: linear-softmax, 2 clients × 16 images, 1 round")
     args = parser.parse_args(argv)
@@ -114,9 +133,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int) -> Timing:
+def wait_at_barrier(folder: str, name: str, count: int, timeout_s: float = 120.0) -> None:
+    """Mark this process ready for ``name`` and wait (at most ``timeout_s``) until ``count`` are."""
+    if not folder:
+        return
+    Path(folder, f"{name}.{time.perf_counter_ns()}.{id(folder)}").touch()
+    deadline = time.perf_counter() + timeout_s
+    while len(list(Path(folder).glob(f"{name}.*"))) < count and time.perf_counter() < deadline:
+        time.sleep(0.05)
+
+
+def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int, cap_s: float = 0.0,
+                barrier: tuple[str, str, int] = ("", "", 1)) -> Timing:
     """Warm-up then timed rounds of the local engine's round for ``cfg``. Every shard is moved to the
-    device first, as a long run has them all resident after its first rounds."""
+    device first, as a long run has them all resident after its first rounds. With ``cap_s`` the
+    timed rounds stop once they have taken that long (at least one is timed); ``barrier`` (folder,
+    name, count) waits for the other processes before the timed rounds."""
     task = ClientTask(cfg, shards)
     for partition_id in range(cfg.num_clients):
         task.shard(partition_id)
@@ -124,6 +156,10 @@ def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int) -
     params = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)]
     seconds, images = [], 0
     for server_round in range(1, warmup + rounds + 1):
+        if server_round == warmup + 1:
+            wait_at_barrier(*barrier)
+        if cap_s and seconds and sum(seconds) > cap_s:
+            break
         sync(task.device)
         started = time.perf_counter()
         outcome = train_round(server_round, params, cfg.keep_prob, None)
@@ -192,11 +228,12 @@ def print_projection(results: dict, eval_seconds: dict, test_images: int) -> Non
               f"{grid1 + grid2:7.2f} h of device time")
 
 
-def run_configuration(values: dict, shards: dict | None, args: argparse.Namespace, label: str) -> Timing | None:
+def run_configuration(values: dict, shards: dict | None, args: argparse.Namespace, label: str,
+                      barrier: tuple[str, str, int] = ("", "", 1)) -> Timing | None:
     """Time one configuration and print its line; None when it failed."""
     try:
         cfg = run_config_from_values(values)
-        timing = time_rounds(cfg, shards, args.warmup, args.rounds)
+        timing = time_rounds(cfg, shards, args.warmup, args.rounds, args.config_cap_s, barrier)
     except Exception as exc:  # report and go on: one failing configuration must not hide the others
         print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
         release_memory()
@@ -205,9 +242,60 @@ def run_configuration(values: dict, shards: dict | None, args: argparse.Namespac
     return timing
 
 
+def worker_main(args: argparse.Namespace) -> int:
+    """One of ``--concurrent``'s processes: float32, sequential, each selected cell; images/s per
+    cell as JSON in ``--worker-json``."""
+    rates = {}
+    with tempfile.TemporaryDirectory(prefix="fedmask-gpu-worker-") as scratch:
+        base, shards, _ = base_values(args, Path(scratch))
+        for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
+            values = {**base, "precision": "float32", "vectorize": False, "batch-size": bs, "local-epochs": tau}
+            timing = run_configuration(values, shards, args, f"  worker {cell}",
+                                       (args.barrier, cell, args.barrier_count))
+            rates[cell] = timing.images_per_s if timing else None
+    Path(args.worker_json).write_text(json.dumps(rates))
+    return 0
+
+
+def time_concurrent(args: argparse.Namespace, counts: list[int], single: dict) -> None:
+    """N processes at once per N in ``counts``: summed images/s per cell against one process's
+    (``single``: cell -> images/s of the float32 sequential path measured in this process)."""
+    forwarded = ["--device", args.device, "--model", args.model, "--clients", str(args.clients),
+                 "--samples", str(args.samples), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+                 "--config-cap-s", str(args.config_cap_s), "--cells", *args.concurrent_cells]
+    if args.data_dir:
+        forwarded += ["--data-dir", args.data_dir]
+    print("\n# CONCURRENT: N processes of this script at once (float32, sequential; timed rounds start "
+          "together at a barrier), as N runs of a sweep sharing the device; summed images/s", flush=True)
+    for n in counts:
+        with tempfile.TemporaryDirectory(prefix="fedmask-gpu-concurrent-") as folder:
+            started = time.perf_counter()
+            outs = [Path(folder, f"worker{i}.json") for i in range(n)]
+            # Each process gets its share of the CPUs, as Ray gives a sweep's run task (--run-cpus).
+            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+            procs = [subprocess.Popen([sys.executable, __file__, *forwarded, "--worker-json", str(out),
+                                       "--barrier", folder, "--barrier-count", str(n)],
+                                      stdout=subprocess.DEVNULL if i else None, env=env)
+                     for i, out in enumerate(outs)]
+            codes = [p.wait() for p in procs]
+            rates = [json.loads(out.read_text()) if out.is_file() else {} for out in outs]
+            for cell in args.concurrent_cells:
+                per_process = [r.get(cell) for r in rates]
+                if any(code != 0 for code in codes) or None in per_process:
+                    print(f"concurrent N={n:2d} {cell:10s}: FAILED (exit codes {codes})", flush=True)
+                    continue
+                total = sum(per_process)
+                gain = f"{total / single[cell]:5.2f}x one process" if single.get(cell) else "no single-process rate"
+                print(f"concurrent N={n:2d} {cell:10s}: {total:10.0f} images/s summed "
+                      f"({min(per_process):.0f}-{max(per_process):.0f} per process), {gain}", flush=True)
+            print(f"concurrent N={n:2d} took {time.perf_counter() - started:.0f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time every configuration, print the projection; exit status 1 when a configuration failed."""
     args = parse_args(argv)
+    if args.worker_json:
+        return worker_main(args)
     started, failed = time.perf_counter(), False
     with tempfile.TemporaryDirectory(prefix="fedmask-gpu-timing-") as scratch:
         base, shards, source = base_values(args, Path(scratch))
@@ -222,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             eval_seconds[precision] = time_evaluation(eval_cfg, args.test_images)
             print(f"{precision:8s} evaluation of {args.test_images} images: {eval_seconds[precision]:.3f} s",
                   flush=True)
-            for path, vectorize in PATHS:
+            for path, vectorize in (p for p in PATHS if p[0] in args.paths):
                 rates = results.setdefault((precision, path), {})
-                for cell, bs, tau in CELLS:
+                for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
                     label = f"{precision:8s} {path:10s} {cell:10s}"
                     if args.budget_s and time.perf_counter() - started > args.budget_s:
                         print(f"{label}: skipped (past --budget-s {args.budget_s:g})", flush=True)
@@ -236,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                     if timing is not None:
                         rates[bs] = timing.images_per_s
         print_projection(results, eval_seconds, args.test_images)
+        if args.concurrent:
+            single = results.get(("float32", "sequential"), {})
+            time_concurrent(args, args.concurrent, {c[0]: single.get(c[1]) for c in CELLS})
     print(f"# gpu_timing took {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
 

@@ -42,7 +42,8 @@ SMALL = {
     "test-subset": 200, "eval-every": 1, "checkpoint-every": 0, "device": "cuda", "precision": "float32",
 }
 COMPARED = ("recovery", "recovery_weighted", "sigma2_hat", "train_loss", "test_loss", "test_accuracy")
-DRIFT_RUNS = (("cpu", "float32"), ("cuda", "tf32"), ("cuda", "bf16"))  # each against CUDA float32
+# (device, precision, vectorize), each against CUDA float32 sequential
+DRIFT_RUNS = (("cpu", "float32", False), ("cuda", "float32", True), ("cuda", "tf32", False), ("cuda", "bf16", False))
 
 
 def data_dir() -> Path:
@@ -93,29 +94,31 @@ def theta_relative(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return (num / sum(float(np.sum(x.astype(np.float64) ** 2)) for x in a)) ** 0.5
 
 
-def drift_runs(out: Path) -> dict[tuple[str, str], dict[int, tuple[pd.Series, list[np.ndarray]]]]:
-    """Rows and θ after 1 and after 5 rounds, per (device, precision)."""
+def drift_runs(out: Path) -> dict[tuple[str, str, bool], dict[int, tuple[pd.Series, list[np.ndarray]]]]:
+    """Rows and θ after 1 and after 5 rounds, per (device, precision, vectorize)."""
     runs = {}
-    for device, precision in (("cuda", "float32"), *DRIFT_RUNS):
-        runs[(device, precision)] = {}
+    for device, precision, vectorize in (("cuda", "float32", False), *DRIFT_RUNS):
+        key = (device, precision, vectorize)
+        runs[key] = {}
         for rounds in (1, 5):
-            rows, theta = run(out, f"{device}-{precision}-r{rounds}", device=device, precision=precision,
-                              **{"num-rounds": rounds})
-            runs[(device, precision)][rounds] = (rows.iloc[-1], theta)
+            rows, theta = run(out, f"{device}-{precision}-v{int(vectorize)}-r{rounds}", device=device,
+                              precision=precision, vectorize=vectorize, **{"num-rounds": rounds})
+            runs[key][rounds] = (rows.iloc[-1], theta)
     return runs
 
 
 def test_cuda_and_cpu_rows_differ_by(tmp_path: Path) -> None:
     """Prints the relative differences (a measurement, not a bound); asserts only finite numbers."""
     runs = drift_runs(tmp_path)
-    reference = runs[("cuda", "float32")]
-    print("\nrelative difference from CUDA float32 (a measurement, not a bound):")
-    print(f"{'run':14s} {'round':>5s} " + " ".join(f"{c:>17s}" for c in COMPARED) + f" {'theta':>10s}")
+    reference = runs[("cuda", "float32", False)]
+    print("\nrelative difference from CUDA float32, sequential (a measurement, not a bound):")
+    print(f"{'run':24s} {'round':>5s} " + " ".join(f"{c:>17s}" for c in COMPARED) + f" {'theta':>10s}")
     for key in DRIFT_RUNS:
         for rounds in (1, 5):
             (ref_row, ref_theta), (row, theta) = reference[rounds], runs[key][rounds]
             diffs = [relative(float(ref_row[c]), float(row[c])) for c in COMPARED]
-            print(f"{' '.join(key):14s} {rounds:5d} " + " ".join(f"{d:17.2e}" for d in diffs)
+            label = f"{key[0]} {key[1]} {'vectorised' if key[2] else 'sequential'}"
+            print(f"{label:24s} {rounds:5d} " + " ".join(f"{d:17.2e}" for d in diffs)
                   + f" {theta_relative(ref_theta, theta):10.2e}")
     for key, by_rounds in runs.items():
         for row, _ in by_rounds.values():
