@@ -8,7 +8,7 @@
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
 # (control, repetition, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py (rounds per cell, precision
-# and path; the protocol's projected time; then 4 and 8 runs sharing the GPU at once). Every step runs, each under a time limit; the exit
+# and path; the protocol's projected time; then 4 and 8 runs sharing the GPU at once, CUDA graphs). Every step runs, each under a time limit; the exit
 # status is 1 when one failed. GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
 
 set -u
@@ -71,8 +71,10 @@ header() {
     local commit=""
     echo "=== gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC'), mode $([[ $SMOKE == 1 ]] && echo cpu-smoke || echo gpu)"
     command -v git >/dev/null && commit=$(git rev-parse HEAD 2>/dev/null)
-    if [[ -n $commit ]]; then echo "commit $commit (git rev-parse HEAD)"
-    elif [[ -f COMMIT ]]; then echo "commit $(cat COMMIT) (COMMIT file)"
+    # A COMMIT file (git rev-parse HEAD > COMMIT before the tree is copied) wins: a copied tree's
+    # .git, where there is one, need not match its files.
+    if [[ -f COMMIT ]]; then echo "commit $(cat COMMIT) (COMMIT file)"
+    elif [[ -n $commit ]]; then echo "commit $commit (git rev-parse HEAD)"
     else echo "commit unknown (no git repository, no COMMIT file)"; fi
     "$PY" -c "$VERSIONS_PY"
     if command -v nvidia-smi >/dev/null; then nvidia-smi -L; fi
@@ -90,10 +92,10 @@ if [[ $SMOKE == 1 ]]; then
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
         --concurrent 2
 else
-    # --budget-s skips the configurations left once 150 s have passed; --config-cap-s ends one
+    # --budget-s skips the configurations left once 200 s have passed; --config-cap-s ends one
     # configuration's timed rounds after 12 s (at least one round is timed).
-    step "benchmarks/gpu_timing.py" 330 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --budget-s 150 --config-cap-s 12 --concurrent 4 8
+    step "benchmarks/gpu_timing.py" 360 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --budget-s 200 --config-cap-s 12 --concurrent 4 8 --concurrent-path graphs
 fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "=== gpu_check: FAILED steps: ${FAILED[*]}"

@@ -1,7 +1,8 @@
 """Seconds per fedmask-local round on this machine, and the paper protocol's projected time.
 
 Times the local engine's round (``fedmask_app.engines.local.local_train_round``: the cohort's
-local training, sequential or vectorised (``vectorize``), then aggregation and the statistics)
+local training, sequential, vectorised (``vectorize``) or sequential with each full minibatch's
+step replayed from a CUDA graph (``cuda-graphs``), then aggregation and the statistics)
 for the paper's cells bs 32 τ 2, bs 128 τ 1 and full batch τ 1, in each precision (float32,
 tf32, bf16), with ``--warmup`` untimed and ``--rounds`` timed rounds per cell, precision and
 path; and one evaluation of the test set (10,000 images, eval-batch-size 500) per precision.
@@ -15,8 +16,8 @@ cells × 3 seeds × 200 rounds, K_c = 10 clients of 500 images a round; a cell's
 its batch size's measured images/s applied to 10 · 500 · τ images, i.e. linear in τ from the
 measured τ, plus one test-set evaluation per round.
 
-``--concurrent N ...`` also starts N copies of this script at once (float32, sequential, the
-three cells, one after another with a barrier before each cell's timed rounds, so that their
+``--concurrent N ...`` also starts N copies of this script at once (float32, ``--concurrent-path``,
+the ``--concurrent-cells``, one after another with a barrier before each cell's timed rounds, so that their
 timed rounds overlap), as N runs of a sweep sharing one GPU would (``fedmask-sweep --ray-address
 ... --run-gpus 1/N``), and prints their summed images/s against one process's.
 
@@ -50,7 +51,8 @@ from fedmask_app.run.model import MODELS, build_model, initial_parameters
 
 CELLS = (("bs32-tau2", 32, 2), ("bs128-tau1", 128, 1), ("full-tau1", "full", 1))
 PRECISIONS = ("float32", "tf32", "bf16")
-PATHS = (("sequential", False), ("vectorised", True))
+# (name, vectorize, cuda-graphs)
+PATHS = (("sequential", False, False), ("vectorised", True, False), ("graphs", False, True))
 GRID1 = tuple((bs, tau) for bs in (32, 128, "full") for tau in (1, 2, 5))
 GRID2_EXTRA = ((32, 2), (32, 2))  # α = 1 and α = 0.1 (α = 100 is grid 1's cell)
 SEEDS, ROUNDS, K_C, N_K, TEST_IMAGES, EVAL_BATCH = 3, 200, 10, 500, 10000, 500
@@ -85,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time N processes at once (float32, sequential), for each N given")
     parser.add_argument("--concurrent-cells", nargs="+", choices=[c[0] for c in CELLS], default=["bs32-tau2"],
                         help="the cells --concurrent times (default: bs32-tau2, the launch-bound one)")
+    parser.add_argument("--concurrent-path", choices=("sequential", "graphs"), default="sequential",
+                        help="the path --concurrent times (float32)")
     parser.add_argument("--worker-json", default="", help=argparse.SUPPRESS)  # a --concurrent worker's output
     parser.add_argument("--barrier", default="", help=argparse.SUPPRESS)  # folder of its ready files
     parser.add_argument("--barrier-count", type=int, default=1, help=argparse.SUPPRESS)
@@ -243,13 +247,14 @@ def run_configuration(values: dict, shards: dict | None, args: argparse.Namespac
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    """One of ``--concurrent``'s processes: float32, sequential, each selected cell; images/s per
+    """One of ``--concurrent``'s processes: float32, ``--concurrent-path``, each cell; images/s per
     cell as JSON in ``--worker-json``."""
     rates = {}
     with tempfile.TemporaryDirectory(prefix="fedmask-gpu-worker-") as scratch:
         base, shards, _ = base_values(args, Path(scratch))
         for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
-            values = {**base, "precision": "float32", "vectorize": False, "batch-size": bs, "local-epochs": tau}
+            values = {**base, "precision": "float32", "vectorize": False, "batch-size": bs, "local-epochs": tau,
+                      "cuda-graphs": args.concurrent_path == "graphs"}
             timing = run_configuration(values, shards, args, f"  worker {cell}",
                                        (args.barrier, cell, args.barrier_count))
             rates[cell] = timing.images_per_s if timing else None
@@ -262,10 +267,11 @@ def time_concurrent(args: argparse.Namespace, counts: list[int], single: dict) -
     (``single``: cell -> images/s of the float32 sequential path measured in this process)."""
     forwarded = ["--device", args.device, "--model", args.model, "--clients", str(args.clients),
                  "--samples", str(args.samples), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-                 "--config-cap-s", str(args.config_cap_s), "--cells", *args.concurrent_cells]
+                 "--config-cap-s", str(args.config_cap_s), "--cells", *args.concurrent_cells,
+                 "--concurrent-path", args.concurrent_path]
     if args.data_dir:
         forwarded += ["--data-dir", args.data_dir]
-    print("\n# CONCURRENT: N processes of this script at once (float32, sequential; timed rounds start "
+    print(f"\n# CONCURRENT: N processes of this script at once (float32, {args.concurrent_path}; timed rounds start "
           "together at a barrier), as N runs of a sweep sharing the device; summed images/s", flush=True)
     for n in counts:
         with tempfile.TemporaryDirectory(prefix="fedmask-gpu-concurrent-") as folder:
@@ -310,22 +316,25 @@ def main(argv: list[str] | None = None) -> int:
             eval_seconds[precision] = time_evaluation(eval_cfg, args.test_images)
             print(f"{precision:8s} evaluation of {args.test_images} images: {eval_seconds[precision]:.3f} s",
                   flush=True)
-            for path, vectorize in (p for p in PATHS if p[0] in args.paths):
+            for path, vectorize, graphs in (p for p in PATHS if p[0] in args.paths):
+                if graphs and device.type != "cuda":
+                    print(f"{precision:8s} {path:10s}: skipped (CUDA graphs need a CUDA device)", flush=True)
+                    continue
                 rates = results.setdefault((precision, path), {})
                 for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
                     label = f"{precision:8s} {path:10s} {cell:10s}"
                     if args.budget_s and time.perf_counter() - started > args.budget_s:
                         print(f"{label}: skipped (past --budget-s {args.budget_s:g})", flush=True)
                         continue
-                    values = {**base, "precision": precision, "vectorize": vectorize, "batch-size": bs,
-                              "local-epochs": tau}
+                    values = {**base, "precision": precision, "vectorize": vectorize, "cuda-graphs": graphs,
+                              "batch-size": bs, "local-epochs": tau}
                     timing = run_configuration(values, shards, args, label)
                     failed |= timing is None
                     if timing is not None:
                         rates[bs] = timing.images_per_s
         print_projection(results, eval_seconds, args.test_images)
         if args.concurrent:
-            single = results.get(("float32", "sequential"), {})
+            single = results.get(("float32", args.concurrent_path), {})
             time_concurrent(args, args.concurrent, {c[0]: single.get(c[1]) for c in CELLS})
     print(f"# gpu_timing took {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +48,31 @@ def load_parameters(model: nn.Module, params: Sequence) -> None:
             p.copy_(torch.as_tensor(value), non_blocking=True)
 
 
+class SGDStep:
+    """One plain-SGD step of ``model`` on a batch: mean cross-entropy, backward, p ← p − lr · g
+    (bf16: the forward under bfloat16 autocast). ``autocast_cache=False`` for CUDA-graph capture."""
+
+    def __init__(self, model: nn.Module, training: LocalTraining, autocast_cache: bool = True):
+        self.model = model
+        self.bf16 = training.bf16
+        self.autocast_cache = autocast_cache
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=training.lr, momentum=0.0, weight_decay=0.0)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Take the step; returns the batch's mean loss (detached)."""
+        autocast = (
+            torch.autocast(device_type=images.device.type, dtype=torch.bfloat16, cache_enabled=self.autocast_cache)
+            if self.bf16
+            else contextlib.nullcontext()
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = nn.functional.cross_entropy(self.model(images), labels)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+
 def local_update(
     model: nn.Module,
     global_params: Sequence,
@@ -56,35 +81,29 @@ def local_update(
     training: LocalTraining,
     generator: torch.Generator,
     out: Sequence[np.ndarray] | None = None,
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> LocalResult:
     """Train ``model`` from θ = ``global_params`` on the shard (``images``, ``labels``) and return Δ_k.
 
     The minibatch order comes from ``generator`` alone (a CPU generator), so a client's result
     depends only on θ, its shard and the seed it was given. With ``out`` (CPU arrays shaped like
     the parameters), Δ_k is written into them and the returned tensors share their memory.
+    ``step`` takes one SGD step of ``model`` on a batch and returns its loss: by default an
+    ``SGDStep``; ``clients.cuda_graphs.CudaGraphStep`` replays the same step from a CUDA graph.
     """
     load_parameters(model, global_params)
     theta = [p.detach().clone() for p in model.parameters()]
     n = len(labels)
     batch = n if training.batch_size is None else training.batch_size
-    optimizer = torch.optim.SGD(model.parameters(), lr=training.lr, momentum=0.0, weight_decay=0.0)
-    autocast = (
-        torch.autocast(device_type=images.device.type, dtype=torch.bfloat16)
-        if training.bf16
-        else contextlib.nullcontext()
-    )
+    step = step or SGDStep(model, training)
     model.train()
     loss_sum, seen = torch.zeros((), device=images.device), 0
     for _ in range(training.epochs):
         order = torch.randperm(n, generator=generator).to(images.device)
         for start in range(0, n, batch):
             idx = order[start : start + batch]
-            with autocast:
-                loss = nn.functional.cross_entropy(model(images[idx]), labels[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            loss_sum += loss.detach().float() * len(idx)
+            loss = step(images[idx], labels[idx])
+            loss_sum += loss.float() * len(idx)
             seen += len(idx)
     with torch.no_grad():
         if out is None:

@@ -126,13 +126,15 @@ BAD = [
     ("run-name='a/b'", "run-name", "'a/b'"),
     ("inject-fault='explode:1:2'", "inject-fault", "'explode:1:2'"),
     ("seed=-1", "seed", "-1"),
+    ("cuda-graphs=true device='cpu'", "cuda-graphs", "True"),
+    ("cuda-graphs=true vectorize=true", "cuda-graphs", "True"),
 ]
 
 
 @pytest.mark.parametrize(("override", "key", "shown"), BAD, ids=[b[0] for b in BAD])
 def test_bad_value_names_key_and_value(override, key, shown):
     with pytest.raises(ConfigError) as info:
-        load_run_config([override])
+        load_run_config(override.split(" "))
     message = str(info.value)
     assert re.search(rf"\b{re.escape(key)} = {re.escape(shown)}", message), message
 

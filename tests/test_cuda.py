@@ -1,5 +1,6 @@
 """The local engine on CUDA (skipped without a CUDA device): the identical-shards control, bitwise
-repetition, and how far CUDA's numbers lie from the CPU's (printed: a measurement, not a bound).
+repetition (sequential, vectorised, CUDA graphs), CUDA graphs against the eager step, and how far
+CUDA's numbers lie from the CPU's (printed: a measurement, not a bound).
 
 Small configurations (20 clients, 4 a round, shards of 64 images, 200 test images) on the data
 in $FEDMASK_GPU_DATA_DIR, else ``.gpu-data/`` (the subset benchmarks/gpu_subset.py writes), else
@@ -66,22 +67,37 @@ def run(out: Path, name: str, **values) -> tuple[pd.DataFrame, list[np.ndarray]]
     return rows, params
 
 
+PATHS = {"sequential": {}, "vectorised": {"vectorize": True}, "graphs": {"cuda-graphs": True}}
+
+
 def test_identical_shards_control_gives_the_ceiling_on_cuda(tmp_path: Path) -> None:
-    for vectorize in (False, True):
-        rows, _ = run(tmp_path, f"control-v{int(vectorize)}", **{"identical-shards": True, "num-rounds": 2,
-                                                                 "vectorize": vectorize})
-        values = rows[["recovery", "recovery_weighted"]].to_numpy()
-        np.testing.assert_allclose(values, SMALL["clients-per-round"], rtol=1e-6, err_msg=f"vectorize={vectorize}")
+    for path, values in PATHS.items():
+        rows, _ = run(tmp_path, f"control-{path}", **{"identical-shards": True, "num-rounds": 2, **values})
+        ratios = rows[["recovery", "recovery_weighted"]].to_numpy()
+        np.testing.assert_allclose(ratios, SMALL["clients-per-round"], rtol=1e-6, err_msg=path)
+
+
+def test_cuda_graphs_replay_the_eager_step(tmp_path: Path) -> None:
+    """cuda-graphs = true replays the sequential path's kernels: the same rows and θ. Prints how
+    far they lie apart (0 when bitwise equal); asserts round 1 within 1e-5 relative."""
+    for precision in ("float32", "bf16"):
+        common = {"num-rounds": 3, "precision": precision, "max-shard-size": 80}  # 2 full batches + 16: both kinds
+        (eager, theta_e), (graphed, theta_g) = (
+            run(tmp_path, f"graphs{int(g)}-{precision}", **common, **{"cuda-graphs": g}) for g in (False, True)
+        )
+        worst = max(relative(float(a), float(b)) for c in COMPARED for a, b in zip(eager[c], graphed[c], strict=True))
+        print(f"\n{precision}: cuda-graphs vs eager, 3 rounds: worst relative row difference {worst:.2e}, "
+              f"theta {theta_relative(theta_e, theta_g):.2e}")
+        first = [relative(float(eager[c].iloc[0]), float(graphed[c].iloc[0])) for c in COMPARED]
+        assert max(first) <= 1e-5, f"{precision}: round 1 differs by {max(first):.2e}"
 
 
 def test_the_same_seed_twice_gives_identical_rows_on_cuda(tmp_path: Path) -> None:
-    for vectorize in (False, True):
-        (a, theta_a), (b, theta_b) = (
-            run(tmp_path, f"repeat{i}-v{int(vectorize)}", **{"num-rounds": 3, "vectorize": vectorize}) for i in (1, 2)
-        )
+    for path, values in PATHS.items():
+        (a, theta_a), (b, theta_b) = (run(tmp_path, f"repeat{i}-{path}", **{"num-rounds": 3, **values}) for i in (1, 2))
         timing = [c for c in a.columns if c.endswith("seconds")]
         pd.testing.assert_frame_equal(a.drop(columns=timing), b.drop(columns=timing), check_exact=True)
-        assert all(np.array_equal(x, y) for x, y in zip(theta_a, theta_b, strict=True)), f"vectorize={vectorize}"
+        assert all(np.array_equal(x, y) for x, y in zip(theta_a, theta_b, strict=True)), path
 
 
 def relative(a: float, b: float) -> float:
@@ -128,6 +144,7 @@ def test_cuda_and_cpu_rows_differ_by(tmp_path: Path) -> None:
 TESTS: tuple[Callable[[Path], None], ...] = (
     test_identical_shards_control_gives_the_ceiling_on_cuda,
     test_the_same_seed_twice_gives_identical_rows_on_cuda,
+    test_cuda_graphs_replay_the_eager_step,
     test_cuda_and_cpu_rows_differ_by,
 )
 

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from clients.cuda_graphs import CudaGraphStep
 from clients.masking import client_block_mask
 from clients.seeds import batch_order_seed
 from clients.training import LocalTraining, local_update
@@ -60,6 +61,8 @@ class ClientTask:
         self.num_blocks = len(list(self.model.parameters()))
         self._given_shards = shard_arrays  # deployment: a device's own shard file
         self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # cuda-graphs: one captured step per process, reused by every client it trains
+        self._step = CudaGraphStep(self.model, local_training(cfg)) if cfg.cuda_graphs else None
 
     @functools.cached_property
     def _partition(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -95,7 +98,8 @@ class ClientTask:
             _raise_or_hang(fault, self.cfg.round_timeout)
         images, labels = self.shard(partition_id)
         generator = self._batch_order(server_round, partition_id)
-        result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator, out)
+        result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator, out,
+                              self._step)
         update = list(out) if out is not None else [t.detach().cpu().numpy() for t in result.update]
         if fault:
             update = _corrupt(fault, update)

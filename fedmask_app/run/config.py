@@ -77,6 +77,7 @@ class RunConfig:
     threads: int
     fast_simulation: bool
     vectorize: bool
+    cuda_graphs: bool
     min_clients: int
     round_timeout: float
     checkpoint_every: int
@@ -135,6 +136,10 @@ class RunConfig:
         _require(
             not (self.precision == "float64" and self.device == "cuda"), "precision", self.precision,
             "float32, tf32 or bf16 with device = 'cuda' (float64 is the CPU-only reference precision)",
+        )
+        _require(
+            not (self.cuda_graphs and (self.device == "cpu" or self.vectorize)), "cuda-graphs", self.cuda_graphs,
+            "false with device = 'cpu' or vectorize = true (CUDA graphs replay the sequential path's step on a GPU)",
         )
         self._validate_measurements()
         self._validate_server_step()

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedmask_app.run.config import PROJECT_ROOT, RunConfig
+from fedmask_app.run.config import PROJECT_ROOT, ConfigError, RunConfig, pyproject_defaults
 from fedmask_app.run.files import atomic_write, atomic_write_json
 from fedmask_app.run.schema import ALL_COLUMNS, CHECKPOINT_FILE, CONFIG_FILE, ROUNDS_FILE, SHARDS_FILE
 
@@ -38,6 +38,13 @@ class Checkpoint:
 
 # Keys that do not change a run's numbers: a resume may differ in them.
 TRANSPORT_KEYS = {"resume", "fast-simulation"}  # not vectorize: it moves float32 results by rounding
+
+
+def _defaults_or_none() -> dict[str, Any]:
+    try:
+        return pyproject_defaults()
+    except ConfigError:  # no pyproject.toml beside the package: compare the keys as written
+        return {}
 
 
 def _cell(value: Any) -> Any:
@@ -124,6 +131,8 @@ class RunResults:
         if not self.config_path.is_file():
             return
         before = json.loads(self.config_path.read_text()).get("run_config", {})
+        # A key the earlier run's config lacks came later, with a default that keeps what it did.
+        before = {**_defaults_or_none(), **before}
         keys = (set(before) | set(run_config)) - TRANSPORT_KEYS
         changed = sorted(k for k in keys if before.get(k) != run_config.get(k))
         if changed:
