@@ -63,7 +63,7 @@ class CudaGraphStep:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._loss = step.captured(self._images, self._labels)
+            self._loss = step(self._images, self._labels)
         with torch.no_grad():  # undo the warm-up steps: the caller's θ is in place again
             for p, value in zip(params, saved, strict=True):
                 p.copy_(value)
