@@ -345,6 +345,12 @@ def test_curvature_medians_over_measured_rounds_only(tmp_path, capsys):
     assert (out / "curvature.png").read_bytes()[:8] == PNG_MAGIC
     assert not (out / "comparison.png").exists()  # the runs do not differ in mask-mode or server-step
 
+    plain = write_run(tmp_path / "p", "plain", {}, _measured(rho_h=[NAN] * 6, rho_h_flag=[""] * 6, server_lr=[1] * 6))
+    cells = report.cell_summary(report.run_summary(report.load_runs([plain]), window=4))
+    assert report.measurement_columns(cells) == []  # FedAvg's η_g = 1 and zero flag counts say nothing
+    assert report_cli.main([str(plain), "--window", "4", "--out", str(out)]) == 0
+    assert "curvature and flatness" not in capsys.readouterr().out
+
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_curvature_figure_is_a_png(tmp_path, sign):

@@ -72,8 +72,17 @@ def cell_measurements(group: pd.DataFrame) -> dict:
 
 
 def measurement_columns(frame: pd.DataFrame) -> list[str]:
-    """The measurement and flag-count columns of a run or cell frame that hold at least one value."""
-    return [c for c in (*MEASURES, *FLAG_COUNTS) if c in frame and frame[c].notna().any()]
+    """The measurement columns of a run or cell frame that say something, and the flag counts of
+    the ratios among them. A column says something when it holds a value; server_lr only when one
+    differs from FedAvg's η_g = 1, which every run without a server step writes."""
+
+    def informative(column: str) -> bool:
+        values = frame[column].dropna() if column in frame else pd.Series(dtype=float)
+        return bool(len(values)) and (column != "server_lr" or bool((values != 1.0).any()))
+
+    measured = [c for c in MEASURES if informative(c)]
+    counts = [f"{ratio}_{kind}" for ratio in FLAGS.values() if ratio in measured for kind in ("measured", "flagged")]
+    return [*measured, *(c for c in counts if c in frame)]
 
 
 def has_curvature(frame: pd.DataFrame) -> bool:
