@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time N processes at once (float32, sequential), for each N given")
     parser.add_argument("--concurrent-cells", nargs="+", choices=[c[0] for c in CELLS], default=["bs32-tau2"],
                         help="the cells --concurrent times (default: bs32-tau2, the launch-bound one)")
-    parser.add_argument("--concurrent-path", choices=("sequential", "graphs"), default="sequential",
+    parser.add_argument("--concurrent-path", choices=[p[0] for p in PATHS], default="sequential",
                         help="the path --concurrent times (float32)")
     parser.add_argument("--worker-json", default="", help=argparse.SUPPRESS)  # a --concurrent worker's output
     parser.add_argument("--barrier", default="", help=argparse.SUPPRESS)  # folder of its ready files
@@ -253,8 +253,9 @@ def worker_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="fedmask-gpu-worker-") as scratch:
         base, shards, _ = base_values(args, Path(scratch))
         for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
-            values = {**base, "precision": "float32", "vectorize": False, "batch-size": bs, "local-epochs": tau,
-                      "cuda-graphs": args.concurrent_path == "graphs"}
+            _, vectorize, graphs = next(p for p in PATHS if p[0] == args.concurrent_path)
+            values = {**base, "precision": "float32", "vectorize": vectorize, "cuda-graphs": graphs, "batch-size": bs,
+                      "local-epochs": tau}
             timing = run_configuration(values, shards, args, f"  worker {cell}",
                                        (args.barrier, cell, args.barrier_count))
             rates[cell] = timing.images_per_s if timing else None
