@@ -8,8 +8,9 @@
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
 # (control, repetition, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py (rounds per cell, precision
-# and path; the protocol's projected time; then 4 and 8 runs sharing the GPU at once, CUDA graphs). Every step runs, each under a time limit; the exit
-# status is 1 when one failed. GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
+# and path; the protocol's projected time; then 4 and 8 runs sharing the GPU at once, CUDA graphs).
+# Every step runs, each under a time limit; the exit status is 1 when one failed.
+# GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
 
 set -u
 cd "$(dirname "$0")/.." || exit 1

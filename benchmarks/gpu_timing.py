@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cells", nargs="+", choices=[c[0] for c in CELLS], default=[c[0] for c in CELLS])
     parser.add_argument("--paths", nargs="+", choices=[p[0] for p in PATHS], default=[p[0] for p in PATHS])
     parser.add_argument("--concurrent", nargs="*", type=int, default=[],
-                        help="also time N processes at once (float32, sequential), for each N given")
+                        help="also time N processes at once (float32, --concurrent-path), for each N given")
     parser.add_argument("--concurrent-cells", nargs="+", choices=[c[0] for c in CELLS], default=["bs32-tau2"],
                         help="the cells --concurrent times (default: bs32-tau2, the launch-bound one)")
     parser.add_argument("--concurrent-path", choices=[p[0] for p in PATHS], default="sequential",
@@ -145,6 +145,13 @@ def wait_at_barrier(folder: str, name: str, count: int, timeout_s: float = 120.0
     deadline = time.perf_counter() + timeout_s
     while len(list(Path(folder).glob(f"{name}.*"))) < count and time.perf_counter() < deadline:
         time.sleep(0.05)
+
+
+def config_values(base: dict, precision: str, path: str, bs: int | str, tau: int) -> dict:
+    """Run-config values of one timed configuration: ``base`` with a precision, a path of PATHS and a cell."""
+    _, vectorize, graphs = next(p for p in PATHS if p[0] == path)
+    return {**base, "precision": precision, "vectorize": vectorize, "cuda-graphs": graphs, "batch-size": bs,
+            "local-epochs": tau}
 
 
 def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int, cap_s: float = 0.0,
@@ -253,9 +260,7 @@ def worker_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="fedmask-gpu-worker-") as scratch:
         base, shards, _ = base_values(args, Path(scratch))
         for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
-            _, vectorize, graphs = next(p for p in PATHS if p[0] == args.concurrent_path)
-            values = {**base, "precision": "float32", "vectorize": vectorize, "cuda-graphs": graphs, "batch-size": bs,
-                      "local-epochs": tau}
+            values = config_values(base, "float32", args.concurrent_path, bs, tau)
             timing = run_configuration(values, shards, args, f"  worker {cell}",
                                        (args.barrier, cell, args.barrier_count))
             rates[cell] = timing.images_per_s if timing else None
@@ -265,7 +270,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
 def time_concurrent(args: argparse.Namespace, counts: list[int], single: dict) -> None:
     """N processes at once per N in ``counts``: summed images/s per cell against one process's
-    (``single``: cell -> images/s of the float32 sequential path measured in this process)."""
+    (``single``: cell -> images/s of the float32 ``--concurrent-path`` measured in this process)."""
     forwarded = ["--device", args.device, "--model", args.model, "--clients", str(args.clients),
                  "--samples", str(args.samples), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                  "--config-cap-s", str(args.config_cap_s), "--cells", *args.concurrent_cells,
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             eval_seconds[precision] = time_evaluation(eval_cfg, args.test_images)
             print(f"{precision:8s} evaluation of {args.test_images} images: {eval_seconds[precision]:.3f} s",
                   flush=True)
-            for path, vectorize, graphs in (p for p in PATHS if p[0] in args.paths):
+            for path, _, graphs in (p for p in PATHS if p[0] in args.paths):
                 if graphs and device.type != "cuda":
                     print(f"{precision:8s} {path:10s}: skipped (CUDA graphs need a CUDA device)", flush=True)
                     continue
@@ -327,9 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.budget_s and time.perf_counter() - started > args.budget_s:
                         print(f"{label}: skipped (past --budget-s {args.budget_s:g})", flush=True)
                         continue
-                    values = {**base, "precision": precision, "vectorize": vectorize, "cuda-graphs": graphs,
-                              "batch-size": bs, "local-epochs": tau}
-                    timing = run_configuration(values, shards, args, label)
+                    timing = run_configuration(config_values(base, precision, path, bs, tau), shards, args, label)
                     failed |= timing is None
                     if timing is not None:
                         rates[bs] = timing.images_per_s

@@ -81,8 +81,7 @@ def measurement_columns(frame: pd.DataFrame) -> list[str]:
         return bool(len(values)) and (column != "server_lr" or bool((values != 1.0).any()))
 
     measured = [c for c in MEASURES if informative(c)]
-    counts = [f"{ratio}_{kind}" for ratio in FLAGS.values() if ratio in measured for kind in ("measured", "flagged")]
-    return [*measured, *(c for c in counts if c in frame)]
+    return [*measured, *(c for c in FLAG_COUNTS if c in frame and c.rsplit("_", 1)[0] in measured)]
 
 
 def has_curvature(frame: pd.DataFrame) -> bool:

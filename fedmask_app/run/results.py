@@ -40,7 +40,7 @@ class Checkpoint:
 TRANSPORT_KEYS = {"resume", "fast-simulation"}  # not vectorize: it moves float32 results by rounding
 
 
-def _defaults_or_none() -> dict[str, Any]:
+def _defaults_or_empty() -> dict[str, Any]:
     try:
         return pyproject_defaults()
     except ConfigError:  # no pyproject.toml beside the package: compare the keys as written
@@ -132,7 +132,7 @@ class RunResults:
             return
         before = json.loads(self.config_path.read_text()).get("run_config", {})
         # A key the earlier run's config lacks came later, with a default that keeps what it did.
-        before = {**_defaults_or_none(), **before}
+        before = {**_defaults_or_empty(), **before}
         keys = (set(before) | set(run_config)) - TRANSPORT_KEYS
         changed = sorted(k for k in keys if before.get(k) != run_config.get(k))
         if changed:
