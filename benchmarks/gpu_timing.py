@@ -190,7 +190,7 @@ def time_evaluation(cfg: RunConfig, test_images: int) -> float:
     """Median seconds of one evaluation pass (forward only, as fedmask_app.run.evaluation) over
     ``test_images`` synthetic images."""
     device, dtype = compute_setup(cfg)
-    model = build_model(cfg.model).to(device, dtype).eval()
+    model = build_model(cfg.model, cfg.skip_padding_taps).to(device, dtype).eval()
     rng = np.random.default_rng(1)
     images = normalize(rng.integers(0, 256, (test_images, 32, 32, 3), dtype=np.uint8)).to(device, dtype)
     seconds = []

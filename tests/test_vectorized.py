@@ -73,23 +73,30 @@ def test_float64_small_model_matches_sequential(batch_size):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # model untouched
 
 
-def test_float64_resnet18_matches_sequential():
-    """The real model: unequal shards, partial last batches, and a step only two clients take."""
+@pytest.mark.parametrize("skip_padding_taps", [False, True], ids=["all-taps", "live-taps"])
+def test_float64_resnet18_matches_sequential(skip_padding_taps):
+    """The real model: unequal shards, partial last batches, and a step only two clients take.
+    With skip-padding-taps, both paths over the live-tap model equal the plain sequential path."""
     model = build_model("resnet18-gn").double()
     theta = [p.double() for p in initial_parameters("resnet18-gn", 0)]
     shards = _shards(SIZES, torch.float64)
     training = LocalTraining(epochs=1, batch_size=4, lr=0.01)
     seq = _sequential(model, theta, shards, training)
-    vec = vectorized_local_updates(model, theta, shards, training, _generators(len(shards)))
+    candidate = build_model("resnet18-gn", skip_padding_taps).double()
+    vec = vectorized_local_updates(candidate, theta, shards, training, _generators(len(shards)))
     _assert_equal_results(vec, seq, 1e-10)
+    if skip_padding_taps:
+        _assert_equal_results(_sequential(candidate, theta, shards, training), seq, 1e-10)
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
-def test_float32_resnet18_within_ten_times_the_sequential_noise_floor():
+@pytest.mark.parametrize("path", ["vectorised", "live-taps", "vectorised-live-taps"])
+def test_float32_resnet18_within_ten_times_the_sequential_noise_floor(path):
     """The sequential path's own float32 noise: the same computation with 1 vs 2 threads and with
     oneDNN off (another convolution algorithm). A ReLU gate sitting at ~1 ulp can flip under any
     change of accumulation order and move one client's Δ_k by up to ~1e-2, so the typical
-    (median) client is compared; every client must still be far from an O(1) disagreement."""
+    (median) client is compared; every client must still be far from an O(1) disagreement.
+    live-taps: the sequential path over the model with skip-padding-taps."""
     model = build_model("resnet18-gn")
     theta = initial_parameters("resnet18-gn", 0)
     shards = _shards((16, 16, 16, 16), torch.float32, seed=2)
@@ -103,10 +110,16 @@ def test_float32_resnet18_within_ten_times_the_sequential_noise_floor():
         torch.set_num_threads(threads)
     with torch.backends.mkldnn.flags(enabled=False):
         other_algorithm = _sequential(model, theta, shards, training)
-    vec = vectorized_local_updates(model, theta, shards, training, _generators(len(shards)))
+    candidate = build_model("resnet18-gn", skip_padding_taps=path != "vectorised")
+    if path == "live-taps":
+        vec = _sequential(candidate, theta, shards, training)
+    else:
+        vec = vectorized_local_updates(candidate, theta, shards, training, _generators(len(shards)))
     floor = [max(_relative(a.update, r.update), _relative(b.update, r.update))
              for a, b, r in zip(other_threads, other_algorithm, reference, strict=True)]
     diff = [_relative(v.update, r.update) for v, r in zip(vec, reference, strict=True)]
+    print(f"\n{path}: median relative difference {statistics.median(diff):.1e}, "
+          f"noise floor {statistics.median(floor):.1e}")
     assert statistics.median(diff) <= 10 * statistics.median(floor), (diff, floor)
     assert max(diff) < 0.1, diff
     for v, r in zip(vec, reference, strict=True):

@@ -57,7 +57,7 @@ class ClientTask:
     def __init__(self, cfg: RunConfig, shard_arrays: dict[int, tuple[np.ndarray, np.ndarray]] | None = None):
         self.cfg = cfg
         self.device, self.dtype = compute_setup(cfg)
-        self.model = build_model(cfg.model).to(self.device, self.dtype)
+        self.model = build_model(cfg.model, cfg.skip_padding_taps).to(self.device, self.dtype)
         self.num_blocks = len(list(self.model.parameters()))
         self._given_shards = shard_arrays  # deployment: a device's own shard file
         self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

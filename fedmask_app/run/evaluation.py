@@ -21,7 +21,7 @@ class Evaluator:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.device, self.dtype = compute_setup(cfg)
-        self.model = build_model(cfg.model).to(self.device, self.dtype)
+        self.model = build_model(cfg.model, cfg.skip_padding_taps).to(self.device, self.dtype)
         data = load_cifar10(resolve_data_dir(cfg.data_dir))
         n = cfg.test_subset or len(data.y_test)
         self.images = normalize(data.x_test[:n]).to(self.device, self.dtype)

@@ -58,7 +58,7 @@ class RoundMeasurements:
         if not self.enabled:
             return
         self.device, self.dtype = compute_setup(cfg)
-        self.model = build_model(cfg.model).to(self.device, self.dtype)
+        self.model = build_model(cfg.model, cfg.skip_padding_taps).to(self.device, self.dtype)
         images, labels = probe_images(cfg, server_has_training_data)
         self.probe_x = normalize(images).to(self.device, self.dtype)
         self.probe_y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(self.device)

@@ -9,6 +9,7 @@ import torchvision
 from torch import nn
 
 from clients.seeds import INIT, derive_seed
+from fedmask_app.run.live_taps import use_live_taps
 
 MODELS = ("resnet18-gn", "resnet18-gn-cifar", "linear-softmax")
 
@@ -17,11 +18,12 @@ def _group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(2, channels)
 
 
-def build_model(name: str) -> nn.Module:
+def build_model(name: str, skip_padding_taps: bool = False) -> nn.Module:
     """``resnet18-gn``: torchvision's stem (7×7/2 conv + max-pool); ``resnet18-gn-cifar``: 3×3/1
     conv and no max-pool, the usual CIFAR stem (about 15× costlier on a CPU); ``linear-softmax``:
     flatten the 3×32×32 image, then one ``nn.Linear(3072, 10)`` (weight and bias: 2 blocks), for
-    fast smoke runs."""
+    fast smoke runs. ``skip_padding_taps``: convolutions skip the kernel taps that only read zero
+    padding (fedmask_app/run/live_taps.py): the same function and parameters, float rounding aside."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)}")
     if name == "linear-softmax":
@@ -30,7 +32,7 @@ def build_model(name: str) -> nn.Module:
     if name == "resnet18-gn-cifar":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
-    return model
+    return use_live_taps(model) if skip_padding_taps else model
 
 
 def initial_parameters(name: str, run_seed: int) -> list[torch.Tensor]:
