@@ -1,5 +1,6 @@
 """Seconds per round of the sequential path on a CPU: plain vs ``retain-freed-memory`` vs that and
-``skip-padding-taps``, for the paper's cells (bs 32 τ 2, bs 128 τ 1, full batch τ 1).
+``skip-padding-taps``, and two runs at once on one thread each, for the paper's cells (bs 32 τ 2,
+bs 128 τ 1, full batch τ 1).
 
 The round is the one benchmarks/vectorized.py times (``clients.training.local_update`` for each of
 the K_c clients in turn, the same θ, shards and batch orders). The allocator setting lasts for a
@@ -10,8 +11,12 @@ page faults per round too: with glibc's own thresholds they vary from process to
     plain      glibc's defaults, every convolution tap (the sequential path before these keys)
     retain     retain-freed-memory = true: freed memory stays in the process
     retain+live  and skip-padding-taps = true: convolutions skip taps that read only padding
+    2runs-1thread  retain+live in two processes at once with --threads / 2 threads each, as
+                 `fedmask-sweep GRID --ray-address local --run-cpus 1` runs a sweep on 2 cores; its
+                 s/round is the span of both timed sections over the rounds both ran (a sweep's
+                 seconds per round)
 
-The last line is the bs-32 speed-up, plain / retain+live.
+The last line is the bs-32 speed-up, plain / the last variant.
 
     python benchmarks/cpu_speedups.py --data-dir ../shared/data
 """
@@ -20,11 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from vectorized import CELLS, make_shards, sequential_round
@@ -33,7 +41,9 @@ from clients.training import LocalTraining
 from fedmask_app.run.device import retain_freed_memory
 from fedmask_app.run.model import build_model, initial_parameters
 
-VARIANTS = {"plain": (False, False), "retain": (True, False), "retain+live": (True, True)}
+VARIANTS = {"plain": (False, False), "retain": (True, False), "retain+live": (True, True),
+            "2runs-1thread": (True, True)}
+CONCURRENT = {"2runs-1thread": 2}  # processes at once
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cells", nargs="+", choices=[c[0] for c in CELLS], default=[c[0] for c in CELLS])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--worker", nargs=2, metavar=("VARIANT", "CELL"), help=argparse.SUPPRESS)
+    parser.add_argument("--barrier", nargs=2, metavar=("FOLDER", "COUNT"), help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -64,22 +75,42 @@ def worker(args: argparse.Namespace) -> None:
     _, batch_size, epochs = next(c for c in CELLS if c[0] == cell)
     training = LocalTraining(epochs=epochs, batch_size=batch_size, lr=0.01)
     sequential_round(model, theta, shards, training)  # warm-up
+    if args.barrier:  # concurrent workers start their timed rounds together
+        folder, count = Path(args.barrier[0]), int(args.barrier[1])
+        (folder / str(os.getpid())).touch()
+        while len(list(folder.iterdir())) < count:
+            time.sleep(0.01)
     seconds, faults = [], []
+    first_started = time.time()
     for _ in range(args.rounds):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         started = time.perf_counter()
         sequential_round(model, theta, shards, training)
         seconds.append(time.perf_counter() - started)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(json.dumps({"seconds": seconds, "faults": faults}))
+    print(json.dumps({"seconds": seconds, "faults": faults, "span": [first_started, time.time()]}))
 
 
 def run_worker(args: argparse.Namespace, variant: str, cell: str) -> dict:
+    """One process (or, for a CONCURRENT variant, several at once sharing the threads)."""
+    count = CONCURRENT.get(variant, 1)
     command = [sys.executable, __file__, "--worker", variant, cell, "--data-dir", args.data_dir,
-               "--threads", str(args.threads), "--clients", str(args.clients), "--samples", str(args.samples),
-               "--rounds", str(args.rounds)]
-    out = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+               "--threads", str(max(1, args.threads // count)), "--clients", str(args.clients),
+               "--samples", str(args.samples), "--rounds", str(args.rounds)]
+    with tempfile.TemporaryDirectory(prefix="fedmask-cpu-barrier-") as barrier:
+        if count > 1:
+            command += ["--barrier", barrier, str(count)]
+        procs = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(count)]
+        outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"{variant} {cell}: a worker failed (exit codes {[p.returncode for p in procs]})")
+    measured = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    if count == 1:
+        return measured[0]
+    # From the barrier to the last process's end over the rounds all ran; a process that finishes
+    # first leaves the others alone on the cores for a while, so this errs against the variant.
+    span = max(m["span"][1] for m in measured) - min(m["span"][0] for m in measured)
+    return {"seconds": [span / (count * args.rounds)], "faults": [sum(f for m in measured for f in m["faults"])]}
 
 
 def main() -> None:

@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the cells --concurrent times (default: bs32-tau2, the launch-bound one)")
     parser.add_argument("--concurrent-path", choices=[p[0] for p in PATHS], default="sequential",
                         help="the path --concurrent times (float32)")
+    parser.add_argument("--skip-padding-taps", action="store_true",
+                        help="every configuration with skip-padding-taps = true (convolutions skip padding-only taps)")
     parser.add_argument("--worker-json", default="", help=argparse.SUPPRESS)  # a --concurrent worker's output
     parser.add_argument("--barrier", default="", help=argparse.SUPPRESS)  # folder of its ready files
     parser.add_argument("--barrier-count", type=int, default=1, help=argparse.SUPPRESS)
@@ -123,7 +125,8 @@ def base_values(args: argparse.Namespace, scratch: Path) -> tuple[dict, dict[int
     path = data_file(args.data_dir)
     values = {"clients-per-round": args.clients, "max-shard-size": args.samples, "model": args.model,
               "device": args.device, "eval-every": 0, "checkpoint-every": 0, "output-dir": str(scratch),
-              "data-dir": str(path.parent.resolve()) if path else str(scratch), "alpha": 100.0}
+              "data-dir": str(path.parent.resolve()) if path else str(scratch), "alpha": 100.0,
+              "skip-padding-taps": args.skip_padding_taps}
     if path is None:
         values["num-clients"] = args.clients
         return values, synthetic_shards(args.clients, args.samples), "synthetic"
@@ -274,7 +277,7 @@ def time_concurrent(args: argparse.Namespace, counts: list[int], single: dict) -
     forwarded = ["--device", args.device, "--model", args.model, "--clients", str(args.clients),
                  "--samples", str(args.samples), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                  "--config-cap-s", str(args.config_cap_s), "--cells", *args.concurrent_cells,
-                 "--concurrent-path", args.concurrent_path]
+                 "--concurrent-path", args.concurrent_path, *(["--skip-padding-taps"] * args.skip_padding_taps)]
     if args.data_dir:
         forwarded += ["--data-dir", args.data_dir]
     print(f"\n# CONCURRENT: N processes of this script at once (float32, {args.concurrent_path}; timed rounds start "
@@ -313,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         base, shards, source = base_values(args, Path(scratch))
         device = compute_setup(run_config_from_values(base))[0]
         print(f"# gpu_timing: model {args.model}, {source}, device {device}, K_c {args.clients}, n_k ≤ {args.samples}, "
-              f"{args.warmup} warm-up + {args.rounds} timed rounds per configuration, torch {torch.__version__}",
-              flush=True)
+              f"{args.warmup} warm-up + {args.rounds} timed rounds per configuration, torch {torch.__version__}, "
+              f"skip-padding-taps {args.skip_padding_taps}", flush=True)
         results: dict[tuple[str, str], dict] = {}
         eval_seconds: dict[str, float] = {}
         for precision in args.precisions:
