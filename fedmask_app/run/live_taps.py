@@ -43,10 +43,13 @@ class LiveTapConv2d(nn.Conv2d):
             output_size(height, kh, sh, ph), output_size(width, kw, sw, pw))
         if (r0, r1, c0, c1) == (0, kh, 0, kw) or not same_shape:
             return super().forward(x)
-        weight = self.weight[:, :, r0:r1, c0:c1]
         if padding == (0, 0) and (r1 - r0, c1 - c0) == (height, width) and self.groups == 1:
-            # one output position, and its taps cover the input: a matrix product
-            return F.linear(x.flatten(-3), weight.flatten(1), self.bias)[..., None, None]
+            # one output position, and its taps cover the input: a matrix product (one tap: its
+            # weights selected in one step, so that the backward fills one zero gradient, not two)
+            weight = (self.weight.flatten(2).select(2, r0 * kw + c0) if (height, width) == (1, 1)
+                      else self.weight[:, :, r0:r1, c0:c1].flatten(1))
+            return F.linear(x.flatten(-3), weight, self.bias)[..., None, None]
+        weight = self.weight[:, :, r0:r1, c0:c1]
         return F.conv2d(x, weight, self.bias, self.stride, padding, 1, self.groups)
 
 
