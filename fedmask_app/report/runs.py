@@ -32,13 +32,12 @@ META_COLUMNS = ("run", "run_name", "bs", "tau", "K_c", "engine", "shard_min", "s
 # Run-config keys that do not define a cell: the seed (the cell's median runs across it) and the
 # keys that only say where or how a run executes, not what it measures.
 # (vectorize: the vectorised cohort step equals the sequential one; cuda-graphs: the same step
-# replayed from a CUDA graph; retain-freed-memory: the allocator only; skip-padding-taps: the same
-# function, computed without the taps that read zero padding; curvature-every / flatness-every:
-# how often the server measures, not what.)
+# replayed from a CUDA graph; skip-padding-taps: the same function, computed without the taps
+# that read zero padding; curvature-every / flatness-every: how often the server measures, not what.)
 NOT_CELL_KEYS = frozenset({
     "seed", "run-name", "output-dir", "resume", "data-dir", "device", "threads", "checkpoint-every",
     "eval-batch-size", "eval-every", "round-timeout", "min-clients", "fast-simulation", "vectorize",
-    "cuda-graphs", "retain-freed-memory", "skip-padding-taps", "curvature-every", "flatness-every",
+    "cuda-graphs", "skip-padding-taps", "curvature-every", "flatness-every",
 })
 # Values of run-config keys that older runs lack: what such a run did (each key came with a default
 # that keeps the earlier behaviour), so that old and new runs of one configuration share a cell.

@@ -78,7 +78,6 @@ class RunConfig:
     fast_simulation: bool
     vectorize: bool
     cuda_graphs: bool
-    retain_freed_memory: bool
     skip_padding_taps: bool
     min_clients: int
     round_timeout: float

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import torch
@@ -49,38 +48,10 @@ def configure_precision(cfg: RunConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(strict)
 
 
-# glibc's mallopt parameters (malloc.h) and its largest mmap threshold on 64-bit systems
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
-_TRIM_THRESHOLD_NEVER = 2**31 - 1  # mallopt takes an int
-
-
-def retain_freed_memory() -> bool:
-    """Let this process reuse the memory it frees instead of handing it back to the OS.
-
-    A CPU training step frees its gradients and activations (blocks of up to 9.4 MB for
-    ResNet-18) and allocates them again in the next step. glibc returns such blocks to the OS
-    (those it mmaps, and the heap's top beyond its trim threshold), so each step faults them in
-    afresh, page by page: measured 4,600–13,800 page faults and 11–28% of a bs-32 step on the
-    2-core development machine (benchmarks/vectorized.py). Blocks below glibc's 32 MiB ceiling
-    now come from the heap and freed memory stays in the process: its resident size stays near
-    its peak. No effect on any number. Returns False where the C library has no ``mallopt``
-    (not glibc: macOS, musl's stub returns 0 too).
-    """
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_NEVER)
-    )
-
-
 def compute_setup(cfg: RunConfig) -> tuple[torch.device, torch.dtype]:
-    """Threads, device, precision and (``retain-freed-memory``) the allocator for a process that
-    trains, evaluates or measures; returns the device and the dtype of models and inputs."""
+    """Threads, device and precision for a process that trains, evaluates or measures; returns
+    the device and the dtype of models and inputs."""
     set_threads(cfg)
-    if cfg.retain_freed_memory:
-        retain_freed_memory()
     device = pick_device(cfg)
     configure_precision(cfg, device)
     return device, model_dtype(cfg)

@@ -36,9 +36,8 @@ class Checkpoint:
     state: dict  # what the round schedule carries over (e.g. the calibrated keep-prob)
 
 
-# Keys that change how a run executes but no number: a resume may differ in them (not vectorize:
-# it moves float32 results by rounding).
-TRANSPORT_KEYS = {"resume", "fast-simulation", "retain-freed-memory"}
+# Keys that do not change a run's numbers: a resume may differ in them.
+TRANSPORT_KEYS = {"resume", "fast-simulation"}  # not vectorize: it moves float32 results by rounding
 
 
 def _defaults_or_empty() -> dict[str, Any]:
