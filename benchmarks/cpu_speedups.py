@@ -7,11 +7,17 @@ user runs them: the local engine and the Flower simulation, each with and withou
     flower         fedmask-run: Flower's Ray simulation, one-CPU virtual clients (--num-cpus 1), so
                    as many clients train at once, one thread each, as the machine has cores
     flower+live    the same with skip-padding-taps = true
+    sweep-2x1      fedmask-sweep of two runs (seeds 0 and 1) with --ray-address local --run-cpus 1:
+                   both runs at once on the local engine, one thread each, as a sweep of the
+                   paper's grids runs on a 2-core machine
+    sweep-2x1+live the same with skip-padding-taps = true
 
 Each variant is a real run of the paper's shards (K = 100, K_c = 10, α = 100) for ``--rounds``
 rounds without evaluation; its figure is the median of rounds.csv's ``seconds`` over rounds 2 on
-(round 1 pays start-up costs). The variants alternate, ``--repeats`` times each. The last line is
-the bs-32 speed-up of the fastest variant over ``local``.
+(round 1 pays start-up costs). A sweep variant's figure is that median over both runs divided by
+2, the runs it trains at once: its seconds per round of the sweep (both runs start together and
+train the same amount). The variants alternate, ``--repeats`` times each. The last line is the
+bs-32 speed-up of the fastest variant over ``local``.
 
     python benchmarks/cpu_speedups.py --data-dir ../shared/data
 """
@@ -28,12 +34,16 @@ import tempfile
 from pathlib import Path
 
 CELLS = {"bs32-tau2": (32, 2), "bs128-tau1": (128, 1), "full-tau1": ("full", 1)}
+LIVE = {"skip-padding-taps": "true"}
 VARIANTS = {
     "local": ("fedmask-local", {}),
-    "local+live": ("fedmask-local", {"skip-padding-taps": "true"}),
+    "local+live": ("fedmask-local", LIVE),
     "flower": ("fedmask-run", {}),
-    "flower+live": ("fedmask-run", {"skip-padding-taps": "true"}),
+    "flower+live": ("fedmask-run", LIVE),
+    "sweep-2x1": ("fedmask-sweep", {}),
+    "sweep-2x1+live": ("fedmask-sweep", LIVE),
 }
+SWEEP_RUNS = 2  # seeds 0 and 1, trained at once
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,19 +60,36 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_seconds(args: argparse.Namespace, variant: str, cell: str, out: Path, name: str) -> list[float]:
-    """One run of ``variant`` on ``cell``; rounds.csv's seconds of rounds 2 on."""
+    """One run (a sweep variant: one sweep) of ``variant`` on ``cell``; rounds.csv's seconds of
+    rounds 2 on, divided by the runs trained at once."""
     command, overrides = VARIANTS[variant]
     executable = shutil.which(command) or sys.exit(f"{command} is not on PATH: pip install -e . first")
     batch_size, epochs = CELLS[cell]
-    values = {"num-rounds": args.rounds, "eval-every": 0, "checkpoint-every": 0, "batch-size": batch_size,
-              "local-epochs": epochs, "data-dir": f'"{Path(args.data_dir).resolve()}"', "output-dir": f'"{out}"',
-              "run-name": f'"{name}"', **overrides}
-    values["batch-size"] = '"full"' if batch_size == "full" else batch_size
-    done = subprocess.run([executable, *(f"{k}={v}" for k, v in values.items())], capture_output=True, text=True)
+    values = {"num-rounds": args.rounds, "eval-every": 0, "checkpoint-every": 0,
+              "batch-size": '"full"' if batch_size == "full" else batch_size, "local-epochs": epochs,
+              "data-dir": f'"{Path(args.data_dir).resolve()}"', **overrides}
+    if command == "fedmask-sweep":
+        folder = out / name
+        folder.mkdir(parents=True)
+        grid = folder / "grid.toml"
+        grid.write_text("[base]\n" + "".join(f"{k} = {v}\n" for k, v in values.items())
+                        + f"[axes]\nseed = {list(range(SWEEP_RUNS))}\n")
+        argv = [str(grid), "--output-dir", str(folder), "--ray-address", "local", "--run-cpus", "1"]
+        concurrent = SWEEP_RUNS
+    else:
+        folder, concurrent = out, 1
+        argv = [f"{k}={v}" for k, v in {**values, "output-dir": f'"{out}"', "run-name": f'"{name}"'}.items()]
+    done = subprocess.run([executable, *argv], capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{variant} {cell} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    with (out / name / "rounds.csv").open(newline="") as f:
-        return [float(row["seconds"]) for row in csv.DictReader(f) if int(row["round"]) >= 2]
+    rounds_files = [folder / name / "rounds.csv"] if concurrent == 1 else sorted(folder.glob("*/rounds.csv"))
+    if len(rounds_files) != concurrent:
+        sys.exit(f"{variant} {cell}: expected {concurrent} rounds.csv under {folder}, found {len(rounds_files)}")
+    seconds = []
+    for path in rounds_files:
+        with path.open(newline="") as f:
+            seconds += [float(row["seconds"]) / concurrent for row in csv.DictReader(f) if int(row["round"]) >= 2]
+    return seconds
 
 
 def main() -> None:
@@ -75,11 +102,12 @@ def main() -> None:
             seconds = {v: [] for v in args.variants}
             for repeat in range(args.repeats):
                 for variant in args.variants:
-                    seconds[variant] += run_seconds(args, variant, cell, Path(scratch), f"{cell}-{variant}-{repeat}")
+                    seconds[variant] += run_seconds(args, variant, cell, Path(scratch),
+                                                  f"{cell}-{variant.replace('+', '_')}-{repeat}")
             medians = {v: statistics.median(s) for v, s in seconds.items()}
             base = medians.get("local", medians[args.variants[0]])
             for variant, median in medians.items():
-                print(f"{cell:10s} {variant:12s} {median:6.2f} s/round  speed-up over local {base / median:.2f}x",
+                print(f"{cell:10s} {variant:15s} {median:6.2f} s/round  speed-up over local {base / median:.2f}x",
                       flush=True)
             fastest = min(medians, key=medians.get)
             best[cell] = (fastest, base / medians[fastest])

@@ -8,7 +8,8 @@
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
 # (control, repetition, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py (rounds per cell, precision
-# and path; the protocol's projected time; then 4 and 8 runs sharing the GPU at once, CUDA graphs).
+# and path; the protocol's projected time; then 4 and 8 runs sharing the GPU at once, CUDA graphs),
+# 5 the bs-32 cell again with skip-padding-taps.
 # Every step runs, each under a time limit; the exit status is 1 when one failed.
 # GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
 
@@ -97,6 +98,10 @@ else
     # configuration's timed rounds after 12 s (at least one round is timed).
     step "benchmarks/gpu_timing.py" 360 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
         --budget-s 200 --config-cap-s 12 --concurrent 4 8 --concurrent-path graphs
+    # skip-padding-taps on the launch-bound cell, each path (compare with the lines above)
+    step "benchmarks/gpu_timing.py --skip-padding-taps" 120 "$PY" benchmarks/gpu_timing.py --device cuda \
+        --data-dir "$DATA_DIR" --cells bs32-tau2 --precisions float32 tf32 --config-cap-s 10 --skip-padding-taps \
+        --test-images 2000
 fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "=== gpu_check: FAILED steps: ${FAILED[*]}"

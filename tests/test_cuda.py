@@ -67,7 +67,8 @@ def run(out: Path, name: str, **values) -> tuple[pd.DataFrame, list[np.ndarray]]
     return rows, params
 
 
-PATHS = {"sequential": {}, "vectorised": {"vectorize": True}, "graphs": {"cuda-graphs": True}}
+PATHS = {"sequential": {}, "vectorised": {"vectorize": True}, "graphs": {"cuda-graphs": True},
+         "live-taps": {"skip-padding-taps": True}}
 
 
 def test_identical_shards_control_gives_the_ceiling_on_cuda(tmp_path: Path) -> None:
