@@ -39,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=MODELS, default="resnet18-gn")
     parser.add_argument("--chunk-size", type=int, default=None, help="clients per vmapped call (default: all)")
     parser.add_argument("--channels-last", action="store_true", help="images in channels_last memory format")
+    parser.add_argument("--skip-padding-taps", action="store_true",
+                        help="both paths with skip-padding-taps = true (convolutions skip padding-only taps)")
     parser.add_argument("--cells", nargs="+", choices=[c[0] for c in CELLS], default=[c[0] for c in CELLS])
     return parser.parse_args()
 
@@ -121,11 +123,12 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    model = build_model(args.model).to(device)
+    model = build_model(args.model, args.skip_padding_taps).to(device)
     theta = [p.to(device) for p in initial_parameters(args.model, 0)]
     shards, source = make_shards(args, device)
     print(f"# {args.model}, {source} data, K_c={args.clients}, n_k={args.samples}, device={device}, "
-          f"threads={torch.get_num_threads()}, chunk_size={args.chunk_size}, channels_last={args.channels_last}")
+          f"threads={torch.get_num_threads()}, chunk_size={args.chunk_size}, channels_last={args.channels_last}, "
+          f"skip_padding_taps={args.skip_padding_taps}")
     warm_up(model, theta, shards, args.chunk_size)
     ratios = {}
     for name, batch_size, epochs in CELLS:

@@ -12,6 +12,8 @@ leaves them as it would. Only float rounding differs (the sums run in another or
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,7 @@ def output_size(size: int, kernel: int, stride: int, padding: int) -> int:
     return (size + 2 * padding - kernel) // stride + 1
 
 
+@functools.cache  # called at every forward with the same few shapes
 def live_taps(size: int, kernel: int, stride: int, padding: int) -> tuple[int, int]:
     """The taps [first, stop) along one axis that read real input for some output position: tap
     t at output o reads input o·stride − padding + t, which must lie in [0, size)."""
