@@ -99,9 +99,9 @@ else
     step "benchmarks/gpu_timing.py" 360 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
         --budget-s 200 --config-cap-s 12 --concurrent 4 8 --concurrent-path graphs
     # skip-padding-taps on the launch-bound cell, each path (compare with the lines above)
-    step "benchmarks/gpu_timing.py --skip-padding-taps" 120 "$PY" benchmarks/gpu_timing.py --device cuda \
-        --data-dir "$DATA_DIR" --cells bs32-tau2 --precisions float32 tf32 --config-cap-s 10 --skip-padding-taps \
-        --test-images 2000
+    step "benchmarks/gpu_timing.py --skip-padding-taps" 180 "$PY" benchmarks/gpu_timing.py --device cuda \
+        --data-dir "$DATA_DIR" --cells bs32-tau2 --precisions float32 tf32 --budget-s 110 --config-cap-s 10 \
+        --skip-padding-taps --test-images 2000
 fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "=== gpu_check: FAILED steps: ${FAILED[*]}"
