@@ -16,8 +16,9 @@ Each variant is a real run of the paper's shards (K = 100, K_c = 10, α = 100) f
 rounds without evaluation; its figure is the median of rounds.csv's ``seconds`` over rounds 2 on
 (round 1 pays start-up costs). A sweep variant's figure is that median over both runs divided by
 2, the runs it trains at once: its seconds per round of the sweep (both runs start together and
-train the same amount). The variants alternate, ``--repeats`` times each. The last line is the
-bs-32 speed-up of the fastest variant over ``local``.
+train the same amount). The variants alternate, ``--repeats`` times each. Speed-ups are over
+``local`` (over the first variant given when ``local`` is not among them); the last line is the
+bs-32 speed-up of the fastest variant.
 
     python benchmarks/cpu_speedups.py --data-dir ../shared/data
 """
@@ -96,6 +97,7 @@ def main() -> None:
     args = parse_args()
     print(f"# CPU, resnet18-gn, paper shards (K_c = 10 of 100, α = 100), {args.rounds} rounds per run "
           f"(median s/round of rounds 2-{args.rounds}), {args.repeats} run(s) per variant and cell", flush=True)
+    base = "local" if "local" in args.variants else args.variants[0]  # what the speed-ups are over
     best = {}
     with tempfile.TemporaryDirectory(prefix="fedmask-cpu-speedups-") as scratch:
         for cell in args.cells:
@@ -105,15 +107,14 @@ def main() -> None:
                     seconds[variant] += run_seconds(args, variant, cell, Path(scratch),
                                                   f"{cell}-{variant.replace('+', '_')}-{repeat}")
             medians = {v: statistics.median(s) for v, s in seconds.items()}
-            base = medians.get("local", medians[args.variants[0]])
             for variant, median in medians.items():
-                print(f"{cell:10s} {variant:15s} {median:6.2f} s/round  speed-up over local {base / median:.2f}x",
-                      flush=True)
+                print(f"{cell:10s} {variant:15s} {median:6.2f} s/round  speed-up over {base} "
+                      f"{medians[base] / median:.2f}x", flush=True)
             fastest = min(medians, key=medians.get)
-            best[cell] = (fastest, base / medians[fastest])
+            best[cell] = (fastest, medians[base] / medians[fastest])
     if "bs32-tau2" in best:
         fastest, speedup = best["bs32-tau2"]
-        print(f"bs32-tau2 speed-up of the fastest ({fastest}) over local: {speedup:.2f}")
+        print(f"bs32-tau2 speed-up of the fastest ({fastest}) over {base}: {speedup:.2f}")
 
 
 if __name__ == "__main__":

@@ -27,25 +27,30 @@ def output_size(size: int, kernel: int, stride: int, padding: int) -> int:
 @functools.cache  # called at every forward with the same few shapes
 def live_taps(size: int, kernel: int, stride: int, padding: int) -> tuple[int, int]:
     """The taps [first, stop) along one axis that read real input for some output position: tap
-    t at output o reads input o·stride − padding + t, which must lie in [0, size)."""
+    t at output o reads input o·stride − padding + t, which must lie in [0, size). All taps
+    (0, kernel) when none is live or when the kernel cut to them, with its padding shrunk by
+    ``first``, would give another number of output positions."""
     positions = range(output_size(size, kernel, stride, padding))
     live = [t for t in range(kernel) if any(0 <= o * stride - padding + t < size for o in positions)]
-    return (live[0], live[-1] + 1) if live else (0, kernel)
+    if not live:
+        return 0, kernel
+    first, stop = live[0], live[-1] + 1
+    if output_size(size, stop - first, stride, padding - first) != len(positions):
+        return 0, kernel
+    return first, stop
 
 
 class LiveTapConv2d(nn.Conv2d):
     """``nn.Conv2d`` (zero padding, dilation 1) whose forward uses only the live taps."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
+        (kh, kw), (ph, pw) = self.kernel_size, self.padding
         height, width = x.shape[-2:]
-        r0, r1 = live_taps(height, kh, sh, ph)
-        c0, c1 = live_taps(width, kw, sw, pw)
-        padding = (ph - r0, pw - c0)
-        same_shape = (output_size(height, r1 - r0, sh, padding[0]), output_size(width, c1 - c0, sw, padding[1])) == (
-            output_size(height, kh, sh, ph), output_size(width, kw, sw, pw))
-        if (r0, r1, c0, c1) == (0, kh, 0, kw) or not same_shape:
+        r0, r1 = live_taps(height, kh, self.stride[0], ph)
+        c0, c1 = live_taps(width, kw, self.stride[1], pw)
+        if (r0, r1, c0, c1) == (0, kh, 0, kw):
             return super().forward(x)
+        padding = (ph - r0, pw - c0)
         if padding == (0, 0) and (r1 - r0, c1 - c0) == (height, width) and self.groups == 1:
             # one output position, and its taps cover the input: a matrix product (one tap: its
             # weights selected in one step, so that the backward fills one zero gradient, not two)
