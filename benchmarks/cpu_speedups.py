@@ -4,6 +4,10 @@ user runs them: the local engine and the Flower simulation, each with and withou
 
     local          fedmask-local: the cohort's clients one after another, torch on all --threads
     local+live     the same with skip-padding-taps = true (convolutions skip taps that read only padding)
+    local-2x1      fedmask-local with client-processes = 2: the cohort's clients in two worker
+                   processes, one torch thread each on the 2-core machine (threads = 0 shares the
+                   CPUs among them)
+    local-2x1+live the same with skip-padding-taps = true
     flower         fedmask-run: Flower's Ray simulation, one-CPU virtual clients (--num-cpus 1), so
                    as many clients train at once, one thread each, as the machine has cores
     flower+live    the same with skip-padding-taps = true
@@ -39,6 +43,8 @@ LIVE = {"skip-padding-taps": "true"}
 VARIANTS = {
     "local": ("fedmask-local", {}),
     "local+live": ("fedmask-local", LIVE),
+    "local-2x1": ("fedmask-local", {"client-processes": 2}),
+    "local-2x1+live": ("fedmask-local", {"client-processes": 2, **LIVE}),
     "flower": ("fedmask-run", {}),
     "flower+live": ("fedmask-run", LIVE),
     "sweep-2x1": ("fedmask-sweep", {}),

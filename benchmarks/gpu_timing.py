@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedmask_app.engines.local import local_train_round
+from fedmask_app.engines.local import in_process, local_train_round
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import RunConfig, pyproject_defaults, run_config_from_values
 from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME, load_cifar10, normalize
@@ -166,7 +166,7 @@ def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int, c
     task = ClientTask(cfg, shards)
     for partition_id in range(cfg.num_clients):
         task.shard(partition_id)
-    train_round = local_train_round(cfg, task)
+    train_round = local_train_round(cfg, in_process(cfg, task))
     params = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)]
     seconds, images = [], 0
     for server_round in range(1, warmup + rounds + 1):

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedmask_app.engines.local import local_train_round, run_local
+from fedmask_app.engines.local import in_process, local_train_round, run_local
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import ConfigError, run_config_from_values
 from fedmask_app.run.loop import run_rounds
@@ -51,7 +51,7 @@ def test_calibrated_keep_prob_follows_the_last_rounds_proxy_and_survives_a_resum
         want = calibrated_keep_prob(reference["sq_norm_of_mean"].iloc[t - 1], 1e-4, 0.05)
         assert reference["keep_prob_round"].iloc[t] == pytest.approx(want, rel=1e-12)
 
-    train_round = local_train_round(cfg, ClientTask(cfg))
+    train_round = local_train_round(cfg, in_process(cfg, ClientTask(cfg)))
 
     def crash_in_round_3(server_round, *args):
         if server_round == 3:

@@ -16,6 +16,7 @@ import sys
 
 from fedmask_app.cli.common import add_run_config_arguments, run_config_from_args
 from fedmask_app.engines.flower.superlink import run_with_flower
+from fedmask_app.run.config import ConfigError, refuse_local_engine_keys
 
 # Flower lines that say nothing true about a fedmask-run: it sizes the federation itself and runs
 # on a private FLWR_HOME that it creates and removes.
@@ -43,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     cfg = run_config_from_args("fedmask-run", args)
     if cfg is None:
+        return 2
+    try:
+        refuse_local_engine_keys(cfg)
+    except ConfigError as exc:
+        print(f"fedmask-run: {exc}", file=sys.stderr)
         return 2
     try:
         code = run_with_flower(cfg, args.num_cpus, args.num_gpus, on_line=print_line, ray_address=args.ray_address)

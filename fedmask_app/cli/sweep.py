@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from fedmask_app.engines.flower.superlink import run_with_flower
-from fedmask_app.run.config import ConfigError, RunConfig, parse_overrides, run_config_from_values
+from fedmask_app.run.config import (
+    ConfigError,
+    RunConfig,
+    parse_overrides,
+    refuse_local_engine_keys,
+    run_config_from_values,
+)
 from fedmask_app.run.results import is_complete
 from fedmask_app.sweep.grid import GridRun, load_grid
 
@@ -121,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         output_dir = args.output_dir or str(Path("results") / args.grid.stem)
         common = {**parse_overrides(args.overrides), "output-dir": str(Path(output_dir).resolve()), "resume": True}
         configs = [(run, grid_run_config(run, common)) for run in runs]
+        if args.engine == "flower":
+            for _, cfg in configs:
+                refuse_local_engine_keys(cfg)
     except ConfigError as exc:
         print(f"fedmask-sweep: {exc}", file=sys.stderr)
         return 2

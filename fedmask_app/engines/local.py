@@ -2,30 +2,81 @@
 
 Same cohort sampling, client code, statistics, aggregation, evaluation and results writer as
 the Flower app; only the transport differs: clients are called one after another in-process,
-with the model and the data resident on the device. Importing this module imports neither
+with the model and the data resident on the device, or trained in worker processes on the CPU
+(``client-processes``, engines/client_pool.py). Importing this module imports neither
 flwr nor ray.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
 
 from clients.masking import coordinate_mask_seeds
 from clients.seeds import synchronized_mask_seed
+from fedmask_app.engines.client_pool import ClientPool, pool_size
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import RunConfig
+from fedmask_app.run.device import pick_device
 from fedmask_app.run.loop import TrainRound, run_rounds
-from strategies.aggregate import ServerLr
+from strategies.aggregate import ClientReply, ServerLr
 from strategies.cohort import sample_cohort
 from strategies.round import RoundOutcome, finish_round
 
 ENGINE = "local"
 VECTORIZED_ENGINE = "local-vectorized"
 
+# (cohort, round, θ, synchronized mask seed, keep-prob) -> (replies in cohort order, failure lines)
+TrainCohort = Callable[[list[int], int, list[np.ndarray], int | None, float], tuple[list[ClientReply], list[str]]]
 
-def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
+
+def one_by_one(task: ClientTask) -> TrainCohort:
+    """The cohort's clients one after another in this process; a client that raises is left out,
+    as in the Flower app."""
+
+    def train_cohort(cohort, server_round, params, sync_seed, keep_prob):
+        replies, failures = [], []
+        for partition_id in cohort:
+            try:
+                replies.append(task.train(partition_id, server_round, params, sync_seed, keep_prob=keep_prob))
+            except Exception as exc:
+                failures.append(f"partition {partition_id}: {type(exc).__name__}: {exc}")
+        return replies, failures
+
+    return train_cohort
+
+
+def vectorized(task: ClientTask) -> TrainCohort:
+    """The whole cohort in one batched computation (faults are refused at start)."""
+
+    def train_cohort(cohort, server_round, params, sync_seed, keep_prob):
+        return task.train_cohort(cohort, server_round, params, sync_seed, keep_prob), []
+
+    return train_cohort
+
+
+def in_process(cfg: RunConfig, task: ClientTask) -> TrainCohort:
+    """``cfg``'s in-process way to train a cohort with ``task``: vectorised or one by one."""
+    return vectorized(task) if cfg.vectorize else one_by_one(task)
+
+
+def in_client_processes(cfg: RunConfig, stack: contextlib.ExitStack) -> TrainCohort:
+    """The cohort's clients in ``client-processes`` worker processes, started at the first round
+    (θ's shapes size their shared memory) and stopped when ``stack`` closes."""
+    pool: ClientPool | None = None
+
+    def train_cohort(cohort, server_round, params, sync_seed, keep_prob):
+        nonlocal pool
+        if pool is None:
+            pool = stack.enter_context(ClientPool(cfg, params, pool_size(cfg)))
+        return pool.train(cohort, server_round, params, sync_seed, keep_prob)
+
+    return train_cohort
+
+
+def local_train_round(cfg: RunConfig, train_cohort: TrainCohort) -> TrainRound:
     partition_ids = list(range(cfg.num_clients))
 
     def train_round(
@@ -33,15 +84,7 @@ def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
     ) -> RoundOutcome:
         cohort = sample_cohort(cfg.seed, server_round, partition_ids, cfg.clients_per_round)
         sync_seed = synchronized_mask_seed(cfg.seed, server_round) if cfg.mask_mode == "synchronized" else None
-        replies, failures = [], []
-        if cfg.vectorize:  # the whole cohort in one batched computation (faults are refused at start)
-            replies = task.train_cohort(cohort, server_round, params, sync_seed, keep_prob)
-        else:
-            for partition_id in cohort:
-                try:
-                    replies.append(task.train(partition_id, server_round, params, sync_seed, keep_prob=keep_prob))
-                except Exception as exc:  # a failing client is left out, as in the Flower app
-                    failures.append(f"partition {partition_id}: {type(exc).__name__}: {exc}")
+        replies, failures = train_cohort(cohort, server_round, params, sync_seed, keep_prob)
         mask_seeds = coordinate_mask_seeds(cfg.mask_mode, cfg.mask_granularity, cfg.seed, server_round, cohort)
         return finish_round(
             server_round, params, replies, failures,
@@ -53,10 +96,18 @@ def local_train_round(cfg: RunConfig, task: ClientTask) -> TrainRound:
 
 
 def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.ndarray]:
-    """Run ``cfg`` to the end in this process and return the final global parameters."""
+    """Run ``cfg`` to the end in this process (its clients in worker processes with
+    ``client-processes`` > 1) and return the final global parameters."""
     if any(f.kind == "hang" for f in cfg.fault_injections()):
         raise ValueError("inject-fault 'hang' needs the Flower engine: an in-process client cannot time out")
     if cfg.vectorize and cfg.inject_fault:
         raise ValueError("inject-fault needs vectorize = false: the vectorised cohort step trains all clients at once")
     engine = VECTORIZED_ENGINE if cfg.vectorize else ENGINE
-    return run_rounds(cfg, engine, local_train_round(cfg, ClientTask(cfg)), echo=echo)
+    with contextlib.ExitStack() as stack:
+        if cfg.client_processes != 1:
+            if pick_device(cfg).type != "cpu":
+                raise ValueError("client-processes needs the CPU: set device = 'cpu' or client-processes = 1")
+            train_cohort = in_client_processes(cfg, stack)
+        else:
+            train_cohort = in_process(cfg, ClientTask(cfg))
+        return run_rounds(cfg, engine, local_train_round(cfg, train_cohort), echo=echo)

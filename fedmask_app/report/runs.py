@@ -35,7 +35,7 @@ META_COLUMNS = ("run", "run_name", "bs", "tau", "K_c", "engine", "shard_min", "s
 # replayed from a CUDA graph; skip-padding-taps: the same function, computed without the taps
 # that read zero padding; curvature-every / flatness-every: how often the server measures, not what.)
 NOT_CELL_KEYS = frozenset({
-    "seed", "run-name", "output-dir", "resume", "data-dir", "device", "threads", "checkpoint-every",
+    "seed", "run-name", "output-dir", "resume", "data-dir", "device", "threads", "client-processes", "checkpoint-every",
     "eval-batch-size", "eval-every", "round-timeout", "min-clients", "fast-simulation", "vectorize",
     "cuda-graphs", "skip-padding-taps", "curvature-every", "flatness-every",
 })

@@ -54,8 +54,12 @@ def client_mask(cfg: RunConfig, server_round: int, partition_id: int, sync_seed:
 class ClientTask:
     """Model, data and shards of one process; ``train`` runs one client's round."""
 
-    def __init__(self, cfg: RunConfig, shard_arrays: dict[int, tuple[np.ndarray, np.ndarray]] | None = None):
+    def __init__(self, cfg: RunConfig, shard_arrays: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
+                 cache_shards: bool = True):
+        """``cache_shards = False``: a shard is normalised anew for each round it trains (a client
+        process, which would otherwise keep every shard it ever trained: ~600 MB at the paper's size)."""
         self.cfg = cfg
+        self.cache_shards = cache_shards
         self.device, self.dtype = compute_setup(cfg)
         self.model = build_model(cfg.model, cfg.skip_padding_taps).to(self.device, self.dtype)
         self.num_blocks = len(list(self.model.parameters()))
@@ -71,21 +75,24 @@ class ClientTask:
 
     def shard(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised images and labels of one client, on the device, cached."""
-        if partition_id not in self._shards:
-            if self._given_shards is not None:
-                if partition_id not in self._given_shards:
-                    raise ValueError(f"this node has no shard for partition {partition_id}")
-                images, labels = self._given_shards[partition_id]
-            else:
-                x_train, y_train, shards = self._partition
-                if not 0 <= partition_id < len(shards):
-                    raise ValueError(f"partition id {partition_id} outside 0..{len(shards) - 1}")
-                images, labels = x_train[shards[partition_id]], y_train[shards[partition_id]]
-            self._shards[partition_id] = (
-                normalize(images).to(self.device, self.dtype),
-                torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(self.device),
-            )
-        return self._shards[partition_id]
+        if partition_id in self._shards:
+            return self._shards[partition_id]
+        if self._given_shards is not None:
+            if partition_id not in self._given_shards:
+                raise ValueError(f"this node has no shard for partition {partition_id}")
+            images, labels = self._given_shards[partition_id]
+        else:
+            x_train, y_train, shards = self._partition
+            if not 0 <= partition_id < len(shards):
+                raise ValueError(f"partition id {partition_id} outside 0..{len(shards) - 1}")
+            images, labels = x_train[shards[partition_id]], y_train[shards[partition_id]]
+        shard = (
+            normalize(images).to(self.device, self.dtype),
+            torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(self.device),
+        )
+        if self.cache_shards:
+            self._shards[partition_id] = shard
+        return shard
 
     def train(
         self, partition_id: int, server_round: int, global_params: list[np.ndarray], sync_seed: int | None,

@@ -75,6 +75,7 @@ class RunConfig:
     device: str
     precision: str
     threads: int
+    client_processes: int
     fast_simulation: bool
     vectorize: bool
     cuda_graphs: bool
@@ -145,6 +146,13 @@ class RunConfig:
         self._validate_measurements()
         self._validate_server_step()
         _require(self.threads >= 0, "threads", self.threads, "an integer >= 0 (0: from the client's CPUs)")
+        _require(self.client_processes >= 0, "client-processes", self.client_processes,
+                 "an integer >= 0 (1: clients train in the engine's process; 0: one process per CPU)")
+        _require(
+            self.client_processes == 1 or not (self.vectorize or self.device == "cuda"), "client-processes",
+            self.client_processes, "1 with vectorize = true or device = 'cuda' (client processes train on the CPU, "
+            "one client at a time each)",
+        )
         _require(
             1 <= self.min_clients <= self.clients_per_round, "min-clients", self.min_clients,
             f"an integer from 1 to clients-per-round ({self.clients_per_round})",
@@ -245,6 +253,18 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir).expanduser().resolve() / self.name
+
+
+def refuse_local_engine_keys(cfg: RunConfig) -> None:
+    """The Flower engine's check: keys that only the local engine carries out are refused, not ignored."""
+    if cfg.client_processes != 1:
+        raise ConfigError(
+            f"client-processes = {cfg.client_processes} is a local-engine key (fedmask-local): the Flower engine "
+            "trains as many clients at once as its backend's client resources allow (num-cpus); set it to 1"
+        )
+    if cfg.vectorize:
+        raise ConfigError("vectorize = true is a local-engine key (fedmask-local): the Flower engine trains "
+                          "each client in its own ClientApp call; set it to false")
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:

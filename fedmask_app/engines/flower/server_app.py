@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import InMemoryGrid
 
-from fedmask_app.run.config import RunConfig
+from fedmask_app.run.config import RunConfig, refuse_local_engine_keys
 from fedmask_app.run.loop import run_rounds
 from strategies.aggregate import ServerLr
 from strategies.masked_fedavg import MaskedFedAvg, record_from_arrays
@@ -22,6 +22,7 @@ ENGINE = "flower"
 SIMULATION_NODE_WAIT = 10.0
 
 app = ServerApp()
+
 
 
 class PlainTransport:
@@ -82,6 +83,7 @@ class FlowerRounds:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = RunConfig.from_mapping(context.run_config)
+    refuse_local_engine_keys(cfg)
     transport = open_transport(cfg, grid)
     try:
         # A simulation's server reads the training set (the probe batch of the measurements); a

@@ -13,8 +13,8 @@ What it relies on beyond public APIs, and the test that fails when an upgrade br
   ``Thread._target``/``_args`` and ``Event._cond``, wakeup.py (a no-op when not found):
   tests/test_reply_slots.py::test_wake_message_extractor_makes_flowers_poll_run_now
 - Python's ``SharedMemory._name`` with ``resource_tracker.unregister`` (a client's exit must not
-  unlink the server's slot), slots.py:
-  tests/test_reply_slots.py::test_a_client_process_writes_into_the_slot_and_leaves_it_to_the_server
-- Python's ``SharedMemory._mmap`` (populate a new slot's pages at once; best effort), slots.py:
-  tests/test_reply_slots.py::test_slots_rely_on_shared_memory_internals
+  unlink the server's slot) and ``SharedMemory._mmap`` (populate a new slot's pages at once; best
+  effort), both in fedmask_app/run/shared_memory.py, which the local engine's client processes
+  share: tests/test_reply_slots.py::test_a_client_process_writes_into_the_slot_and_leaves_it_to_the_server
+  and tests/test_reply_slots.py::test_slots_rely_on_shared_memory_internals
 """

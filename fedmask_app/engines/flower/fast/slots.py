@@ -18,92 +18,34 @@ read the θ slot while the next round's θ is written into it: its reply is drop
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import re
-import secrets
 import shutil
-import sys
 from collections.abc import Iterable, Sequence
-from multiprocessing import resource_tracker, shared_memory
-from pathlib import Path
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from fedmask_app.engines.flower.fast.buffers import NpyBlocks, npy_nbytes
+from fedmask_app.run.shared_memory import SEGMENT_NAME as SLOT_NAME
+from fedmask_app.run.shared_memory import (
+    create_segment,
+    release_segment,
+    remove_stale_segments,
+    segment,
+    segment_prefix,
+)
 
 log = logging.getLogger("fedmask")
 
 SLOT_KEY = "reply-slot"  # train config key: the name of the segment to write Δ_k into
-SLOT_NAME = re.compile(r"fm(\d+)-[0-9a-f]{6}-(\d+|theta)")  # fm<server pid>-<random>-<n>: macOS allows 31 chars
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module does not name it
-
-
-class Segment(shared_memory.SharedMemory):
-    """A SharedMemory that stays quiet when it is collected while views of it are alive.
-
-    ``SharedMemory.__del__`` closes the mapping and, when a view (a record still held somewhere)
-    exports it, prints ``BufferError: cannot close exported pointers exist``; the mapping goes
-    with the process either way."""
-
-    def __del__(self) -> None:
-        with contextlib.suppress(BufferError):
-            self.close()
-
-
-_segments: dict[str, Segment] = {}  # the segments this process created or attached
-
-
-def _populate(memory: Segment) -> None:
-    """Map (and allocate) every page now, in one call: writing a new 45 MB segment page by page
-    took about 100 ms of page faults on the 2-core machine, populating it about 25 ms.
-    Private part relied on: ``SharedMemory._mmap`` (best effort: without it, pages fault in)."""
-    if sys.platform == "linux":
-        with contextlib.suppress(AttributeError, OSError):  # an older kernel, or another layout
-            memory._mmap.madvise(MADV_POPULATE_WRITE)
-
-
-def segment(name: str) -> Segment:
-    """The named segment, attached once per process (or the one this process created)."""
-    attached = _segments.get(name)
-    if attached is None:
-        attached = Segment(name=name)
-        # Python < 3.13 registers an attached POSIX segment with this process's resource
-        # tracker, which would unlink it when this process exits, from under the server.
-        if os.name == "posix":
-            resource_tracker.unregister(attached._name, "shared_memory")
-        _populate(attached)
-        _segments[name] = attached
-    return attached
+__all__ = ["SLOT_KEY", "SLOT_NAME", "SharedSlots", "remove_stale_slots", "segment", "slot_blocks"]
+remove_stale_slots = remove_stale_segments  # the slots of servers that no longer run
 
 
 def slot_blocks(name: str, like: Sequence[np.ndarray]) -> NpyBlocks:
     """``NpyBlocks`` shaped like ``like`` over the named slot."""
     return NpyBlocks(like, buffer=segment(name).buf)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale_slots(shm: Path = Path("/dev/shm")) -> int:
-    """Unlink the slots of servers that no longer run. A server unlinks its slots when it ends,
-    and its resource tracker does when it dies; both gone at once (SIGKILL to the whole process
-    group) leaves them behind."""
-    if not shm.is_dir():
-        return 0
-    stale = [p for p in shm.iterdir() if (m := SLOT_NAME.fullmatch(p.name)) and not _alive(int(m[1]))]
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return len(stale)
 
 
 class SharedSlots:
@@ -113,7 +55,7 @@ class SharedSlots:
     def __init__(self, like: Sequence[np.ndarray]):
         self.like = [np.asarray(p) for p in like]
         self.nbytes = npy_nbytes(self.like)
-        self._prefix = f"fm{os.getpid()}-{secrets.token_hex(3)}-"
+        self._prefix = segment_prefix()
         self._free: list[str] = []
         self._lent: dict[int, str] = {}  # destination node id -> slot
         self._owned: list[str] = []
@@ -140,9 +82,7 @@ class SharedSlots:
             suffix = str(self._created)
             self._created += 1
         name = f"{self._prefix}{suffix}"
-        created = Segment(name=name, create=True, size=self.nbytes)
-        _populate(created)
-        _segments[name] = created
+        create_segment(name, self.nbytes)
         self._owned.append(name)
         return name
 
@@ -175,11 +115,7 @@ class SharedSlots:
         self._lent.clear()
 
     def _release(self, name: str) -> None:
-        slot = _segments.pop(name)
-        with contextlib.suppress(BufferError):  # a view of it is still alive; the mapping goes with it
-            slot.close()
-        with contextlib.suppress(FileNotFoundError):  # removed from outside (e.g. /dev/shm cleaned by hand)
-            slot.unlink()
+        release_segment(name)
         self._owned.remove(name)
 
     def close(self) -> None:
