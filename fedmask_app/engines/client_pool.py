@@ -24,6 +24,7 @@ import numpy as np
 
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import RunConfig
+from fedmask_app.run.device import given_cpus
 from fedmask_app.run.shared_memory import (
     create_segment,
     packed_arrays,
@@ -40,16 +41,13 @@ Job = tuple[int, int, int, int | None, float]
 
 
 def pool_size(cfg: RunConfig) -> int:
-    """Worker processes of ``cfg``: ``client-processes``, or one per CPU of the machine."""
-    return cfg.client_processes or os.cpu_count() or 1
+    """Worker processes of ``cfg``: ``client-processes``, or one per CPU the run was given."""
+    return cfg.client_processes or given_cpus()
 
 
 def worker_threads(cfg: RunConfig, processes: int) -> int:
     """torch threads of each worker: ``threads``, or the CPUs given to the run shared among them."""
-    if cfg.threads:
-        return cfg.threads
-    cpus = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
-    return max(1, cpus // processes)
+    return cfg.threads or max(1, given_cpus() // processes)
 
 
 class ClientPoolError(RuntimeError):

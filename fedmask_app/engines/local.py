@@ -16,7 +16,7 @@ import numpy as np
 
 from clients.masking import coordinate_mask_seeds
 from clients.seeds import synchronized_mask_seed
-from fedmask_app.engines.client_pool import ClientPool, pool_size
+from fedmask_app.engines.client_pool import ClientPool, pool_size, worker_threads
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.device import pick_device
@@ -108,6 +108,9 @@ def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.nd
             if pick_device(cfg).type != "cpu":
                 raise ValueError("client-processes needs the CPU: set device = 'cpu' or client-processes = 1")
             train_cohort = in_client_processes(cfg, stack)
+            processes = pool_size(cfg)
+            echo(f"[fedmask] clients train in {processes} processes of {worker_threads(cfg, processes)} torch "
+                 "thread(s) each")
         else:
             train_cohort = in_process(cfg, ClientTask(cfg))
         return run_rounds(cfg, engine, local_train_round(cfg, train_cohort), echo=echo)

@@ -17,9 +17,14 @@ def pick_device(cfg: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def given_cpus() -> int:
+    """The CPUs this process was given: OMP_NUM_THREADS (Ray sets it for its tasks), else all."""
+    return int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
+
+
 def set_threads(cfg: RunConfig) -> None:
-    """torch threads = ``threads``, or the CPUs the process was given (Ray sets OMP_NUM_THREADS)."""
-    threads = cfg.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
+    """torch threads = ``threads``, or the CPUs the process was given."""
+    threads = cfg.threads or given_cpus()
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
