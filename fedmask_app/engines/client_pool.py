@@ -3,7 +3,7 @@ worker processes, each on its own torch threads, θ and every Δ_k in shared mem
 
 Why: at the paper's small batches, two one-thread processes keep two CPU cores busier than one
 two-thread process does (benchmarks/cpu_speedups.py measures it), and Python threads would share
-one interpreter lock. Each worker holds a ``ClientTask`` of its own (model, data, shards); it reads
+one interpreter lock. Each worker holds a ``ClientTask`` of its own (model, training set); it reads
 θ from the θ segment and writes Δ_k into the reply segment of the client's place in the cohort,
 so only a job tuple and a reply without its arrays cross the pipe. The engine hands the next
 client to whichever worker is free and puts the replies back in cohort order: with one thread
@@ -194,7 +194,7 @@ def _serve(cfg: RunConfig, names: list[str], shapes: list[tuple[tuple[int, ...],
     conn.send(("ready", None))
     try:
         _train_jobs(task, theta, replies, conn)
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the engine stops the pool
+    except (KeyboardInterrupt, EOFError):  # Ctrl-C reaches the whole process group; EOF: the engine is gone
         pass
 
 
