@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedmask_app.engines.client_pool import ClientPool, ClientPoolError, worker_threads
+from fedmask_app.engines.client_pool import ClientPool, ClientPoolError, pool_size, worker_threads
 from fedmask_app.engines.local import in_client_processes, local_train_round, run_local
 from fedmask_app.run.config import ConfigError, refuse_local_engine_keys, run_config_from_values
 from fedmask_app.run.loop import run_rounds
@@ -38,12 +38,16 @@ def test_packed_arrays_lie_aligned_one_after_another():
         packed_arrays(bytearray(100), like)
 
 
-def test_workers_share_the_cpus_unless_threads_is_set(monkeypatch):
+def test_processes_and_their_threads_come_from_the_cpus_given(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     cfg = run_config_from_values({"client-processes": 3})
     assert worker_threads(cfg, 3) == 2
     assert worker_threads(cfg, 16) == 1
     assert worker_threads(run_config_from_values({"threads": 4}), 3) == 4
+    assert pool_size(run_config_from_values({"client-processes": 0})) == 8  # one per CPU given
+    assert pool_size(cfg) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a Ray task of one CPU: the run trains in its own process
+    assert pool_size(run_config_from_values({"client-processes": 0})) == 1
 
 
 def test_the_flower_engine_refuses_local_engine_keys():

@@ -104,7 +104,7 @@ def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.nd
         raise ValueError("inject-fault needs vectorize = false: the vectorised cohort step trains all clients at once")
     engine = VECTORIZED_ENGINE if cfg.vectorize else ENGINE
     with contextlib.ExitStack() as stack:
-        if cfg.client_processes != 1:
+        if pool_size(cfg) > 1:  # client-processes = 0 on one CPU trains in this process
             if pick_device(cfg).type != "cpu":
                 raise ValueError("client-processes needs the CPU: set device = 'cpu' or client-processes = 1")
             train_cohort = in_client_processes(cfg, stack)
