@@ -71,20 +71,26 @@ def tiny(tmp_path, name: str, **overrides):
 @pytest.mark.slow
 def test_client_processes_write_the_one_thread_runs_rounds_and_theta(tmp_path):
     """Two workers of one thread each against one process of one thread: every column but the
-    seconds and θ after the last round are equal bit for bit, with a client whose update is NaN
-    (left out by the server) and one that raises (left out by the engine)."""
+    seconds (the server's curvature measurements of round 2 included) and θ after the last round
+    are equal bit for bit, with a client whose update is NaN (left out by the server) and one that
+    raises (left out by the engine)."""
     nan_client = sample_cohort(0, 1, list(range(100)), 3)[1]
     raising_client = sample_cohort(0, 2, list(range(100)), 3)[0]
     faults = f"nan:{nan_client}:1,raise:{raising_client}:2"
     before = our_segments()
     runs = {}
     for processes in (1, 2):
-        cfg = tiny(tmp_path, f"p{processes}", **{"client-processes": processes, "inject-fault": faults})
+        cfg = tiny(tmp_path, f"p{processes}", **{"client-processes": processes, "inject-fault": faults,
+                                                  "curvature-every": 2, "probe-size": 16, "curvature-probes": 2,
+                                                  "penalty-draws": 2})
         params = run_local(cfg, echo=lambda _: None)
         runs[processes] = (pd.read_csv(cfg.run_dir / "rounds.csv"), params)
     (one, theta_one), (two, theta_two) = runs[1], runs[2]
     assert one["num_failures"].tolist() == [1, 1] and one["num_clients"].tolist() == [2, 2]
-    pd.testing.assert_frame_equal(one.drop(columns=["seconds"]), two.drop(columns=["seconds"]))
+    measured = [c for c in one.columns if c.startswith("penalty_") and one[c].notna().any()]
+    assert measured, "the server's measurements of round 2 read the updates in shared memory"
+    timings = [c for c in one.columns if c.endswith("seconds")]
+    pd.testing.assert_frame_equal(one.drop(columns=timings), two.drop(columns=timings))
     for a, b in zip(theta_one, theta_two, strict=True):
         np.testing.assert_array_equal(a, b)
     assert our_segments() <= before  # the pool unlinked its shared memory
