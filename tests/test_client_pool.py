@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -137,3 +141,30 @@ def test_a_worker_that_dies_is_named_and_the_pool_cleans_up(tmp_path):
             pool.train([3, 4, 5], 2, params, None, 0.5)
     assert our_segments() <= before
 
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_fedmask_local_with_a_message_and_no_leftovers(tmp_path):
+    """SIGINT to the whole process group (as a terminal's Ctrl-C): the engine and its workers stop,
+    the rounds so far stay, the shared memory goes, and the message says how to resume."""
+    before = our_segments()
+    command = [sys.executable, "-m", "fedmask_app.cli.local", "num-rounds=50", "clients-per-round=3",
+               "max-shard-size=64", "test-subset=100", "client-processes=2", "threads=1",
+               f'data-dir="{SHARED_DATA}"', f'output-dir="{tmp_path}"', 'run-name="interrupted"']
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in process.stdout:
+            if line.startswith("[fedmask] round 2/50"):
+                break
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # the group this test started
+    assert process.returncode == 130, output
+    assert "fedmask-local: interrupted; the finished rounds are in" in output and "resume=true" in output
+    assert "Traceback" not in output
+    rounds = pd.read_csv(tmp_path / "interrupted" / "rounds.csv")
+    assert rounds["round"].tolist()[:2] == [1, 2]
+    assert our_segments() <= before

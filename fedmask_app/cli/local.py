@@ -1,4 +1,5 @@
-"""fedmask-local: run one configuration with the local engine (one process, CPU or CUDA)."""
+"""fedmask-local: run one configuration with the local engine (one process, CPU or CUDA; with
+``client-processes`` its clients train in worker processes on the CPU)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg = run_config_from_args("fedmask-local", parser.parse_intermixed_args(argv))
     if cfg is None:
         return 2
+    from fedmask_app.engines.client_pool import ClientPoolError
     from fedmask_app.engines.local import run_local
     from fedmask_app.run.results import ResultsError
     from strategies.round import RoundFailed
 
     try:
         run_local(cfg)
-    except (RoundFailed, ResultsError) as exc:
+    except (RoundFailed, ResultsError, ClientPoolError) as exc:
         print(f"fedmask-local: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"fedmask-local: interrupted; the finished rounds are in {cfg.run_dir / 'rounds.csv'}"
+              + (" and resume=true continues from the last checkpoint" if cfg.checkpoint_every else ""),
+              file=sys.stderr)
+        return 130
     return 0
 
 
