@@ -35,7 +35,7 @@ class ClientReply:
     partition_id: int
     num_examples: int
     train_loss: float
-    update: list[np.ndarray]
+    update: list[np.ndarray]  # or torch tensors on the device they were trained on (local engine, CUDA)
     keep: list[bool] | None  # m^(b) per tensor; None when masking is off or per coordinate
 
 
@@ -51,9 +51,14 @@ def reply_problem(reply: ClientReply, shapes: Sequence[tuple[int, ...]], dtypes:
     for b, (block, shape, dtype) in enumerate(zip(reply.update, shapes, dtypes, strict=True)):
         if block.shape != tuple(shape):
             return f"array {b} has shape {block.shape}, expected {tuple(shape)}"
-        if block.dtype != dtype:
-            return f"array {b} has dtype {block.dtype}, expected {dtype}"
+        if _dtype_name(block) != np.dtype(dtype).name:
+            return f"array {b} has dtype {_dtype_name(block)}, expected {np.dtype(dtype).name}"
     return None
+
+
+def _dtype_name(block) -> str:
+    """'float32' for a numpy array and a torch tensor alike (the local engine keeps Δ_k on a GPU)."""
+    return str(block.dtype).removeprefix("torch.")
 
 
 class NonFiniteUpdates(ValueError):

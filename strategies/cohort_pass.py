@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from clients.masking import coordinate_mask
+from strategies.device_pass import reduce_on_device, tensor_device
 
 CHUNK = 1 << 16  # elements; a few float64 buffers of this size fit in L2
 
@@ -168,8 +169,10 @@ def reduce_cohort(
     """The cohort's sums and, when ``step`` is given, θ − step in θ's dtypes and shapes.
 
     ``updates[k]`` is client k's Δ_k as a list of arrays (one per parameter tensor), any float
-    dtype; everything is accumulated in float64. ``threads`` share the blocks (0: all cores);
-    neither θ nor the sums depend on it: each block's sums are added up in block order.
+    dtype; everything is accumulated in float64. Updates that hold torch tensors are reduced on
+    their device (``strategies.device_pass``); θ − step still comes back as numpy arrays.
+    ``threads`` share the blocks (0: all cores); neither θ nor the sums depend on it: each
+    block's sums are added up in block order.
     """
     num_blocks = _check(updates, weights)
     weights = [float(w) for w in weights]
@@ -183,8 +186,13 @@ def reduce_cohort(
                 raise ValueError("coordinate masks need block_coefs (the w_k / p of every client)")
             if len(step.coordinate_masks.seeds) != len(updates):
                 raise ValueError(f"{len(step.coordinate_masks.seeds)} mask seeds for {len(updates)} updates")
+    device = tensor_device(updates)
+    if device is not None:  # Δ_k left on the device by the local engine (strategies/device_pass.py)
+        on_device, new_params = reduce_on_device(updates, weights, step, device)
+        return _sums(weights, on_device.sq_norms, on_device.sq_norm_of_sum,
+                     on_device.sq_norm_of_weighted_sum), new_params
     groups = _split_blocks([np.size(block) for block in updates[0]], threads or os.cpu_count() or 1)
-    new_params: list = [None] * num_blocks
+    new_params = [None] * num_blocks
     if len(groups) == 1:
         per_group = [_reduce_blocks(groups[0], updates, weights, step, new_params)]
     else:
@@ -192,14 +200,20 @@ def reduce_cohort(
             per_group = list(pool.map(lambda g: _reduce_blocks(g, updates, weights, step, new_params), groups))
     partials = [partial for _, partial in sorted((pair for group in per_group for pair in group), key=lambda p: p[0])]
     sq_norms = [sum(p.sq_norms[k] for p in partials) for k in range(len(updates))]
-    sums = CohortSums(
-        cohort_size=len(updates),
+    sums = _sums(weights, sq_norms, sum(p.sq_norm_of_sum for p in partials),
+                 sum(p.sq_norm_of_weighted_sum for p in partials))
+    return sums, (new_params if step is not None else None)
+
+
+def _sums(weights: list[float], sq_norms: list[float], sq_norm_of_sum: float,
+          sq_norm_of_weighted_sum: float) -> CohortSums:
+    return CohortSums(
+        cohort_size=len(sq_norms),
         total_weight=sum(weights),
         sum_sq_norms=sum(sq_norms),
         weighted_sum_sq_norms=sum(w * w * s for w, s in zip(weights, sq_norms, strict=True)),
-        sq_norm_of_sum=sum(p.sq_norm_of_sum for p in partials),
-        sq_norm_of_weighted_sum=sum(p.sq_norm_of_weighted_sum for p in partials),
+        sq_norm_of_sum=sq_norm_of_sum,
+        sq_norm_of_weighted_sum=sq_norm_of_weighted_sum,
         sq_norms=tuple(sq_norms),
         weights=tuple(weights),
     )
-    return sums, (new_params if step is not None else None)

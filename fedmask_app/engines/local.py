@@ -2,8 +2,9 @@
 
 Same cohort sampling, client code, statistics, aggregation, evaluation and results writer as
 the Flower app; only the transport differs: clients are called one after another in-process,
-with the model and the data resident on the device, or trained in worker processes on the CPU
-(``client-processes``, engines/client_pool.py). Importing this module imports neither
+with the model and the data resident on the device (on a GPU θ and the Δ_k too: the server
+step reduces them there), or trained in worker processes on the CPU (``client-processes``,
+engines/client_pool.py). Importing this module imports neither
 flwr nor ray.
 """
 
@@ -13,6 +14,7 @@ import contextlib
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from clients.masking import coordinate_mask_seeds
 from clients.seeds import synchronized_mask_seed
@@ -32,12 +34,21 @@ VECTORIZED_ENGINE = "local-vectorized"
 TrainCohort = Callable[[list[int], int, list[np.ndarray], int | None, float], tuple[list[ClientReply], list[str]]]
 
 
+def resident_on(device: torch.device) -> bool:
+    """Whether θ and the Δ_k stay on ``device`` through the round (``ClientTask(resident=...)``):
+    on a GPU, where copying ten model-sized updates to the host each round and reducing them
+    with numpy would cost more than the reduction on the device."""
+    return device.type == "cuda"
+
+
 def one_by_one(task: ClientTask) -> TrainCohort:
     """The cohort's clients one after another in this process; a client that raises is left out,
     as in the Flower app."""
 
     def train_cohort(cohort, server_round, params, sync_seed, keep_prob):
         replies, failures = [], []
+        if task.resident:
+            params = task.on_device(params)
         for partition_id in cohort:
             try:
                 replies.append(task.train(partition_id, server_round, params, sync_seed, keep_prob=keep_prob))
@@ -112,5 +123,5 @@ def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.nd
             echo(f"[fedmask] clients train in {processes} processes of {worker_threads(cfg, processes)} torch "
                  "thread(s) each")
         else:
-            train_cohort = in_process(cfg, ClientTask(cfg))
+            train_cohort = in_process(cfg, ClientTask(cfg, resident=resident_on(pick_device(cfg))))
         return run_rounds(cfg, engine, local_train_round(cfg, train_cohort), echo=echo)

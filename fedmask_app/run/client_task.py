@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -55,11 +56,14 @@ class ClientTask:
     """Model, data and shards of one process; ``train`` runs one client's round."""
 
     def __init__(self, cfg: RunConfig, shard_arrays: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
-                 cache_shards: bool = True):
+                 cache_shards: bool = True, resident: bool = False):
         """``cache_shards = False``: a shard is normalised anew for each round it trains (a client
-        process, which would otherwise keep every shard it ever trained: ~600 MB at the paper's size)."""
+        process, which would otherwise keep every shard it ever trained: ~600 MB at the paper's size).
+        ``resident``: replies carry Δ_k as tensors on the device, which the server step reduces
+        there (the local engine on a GPU: strategies/device_pass.py), instead of numpy arrays."""
         self.cfg = cfg
         self.cache_shards = cache_shards
+        self.resident = resident
         self.device, self.dtype = compute_setup(cfg)
         self.model = build_model(cfg.model, cfg.skip_padding_taps).to(self.device, self.dtype)
         self.num_blocks = len(list(self.model.parameters()))
@@ -107,9 +111,9 @@ class ClientTask:
         generator = self._batch_order(server_round, partition_id)
         result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator, out,
                               self._step)
-        update = list(out) if out is not None else [t.detach().cpu().numpy() for t in result.update]
+        update = list(out) if out is not None else self._update(result.update)
         if fault:
-            update = _corrupt(fault, update)
+            update = _corrupt(fault, [_on_host(block) for block in update])
         return self._reply(partition_id, server_round, sync_seed, keep_prob, result.num_examples, result.train_loss,
                            update)
 
@@ -123,10 +127,18 @@ class ClientTask:
         generators = [self._batch_order(server_round, pid) for pid in partition_ids]
         results = vectorized_local_updates(self.model, global_params, shards, local_training(self.cfg), generators)
         return [
-            self._reply(pid, server_round, sync_seed, keep_prob, r.num_examples, r.train_loss,
-                        [t.detach().cpu().numpy() for t in r.update])
+            self._reply(pid, server_round, sync_seed, keep_prob, r.num_examples, r.train_loss, self._update(r.update))
             for pid, r in zip(partition_ids, results, strict=True)
         ]
+
+    def on_device(self, params: list[np.ndarray]) -> list[torch.Tensor]:
+        """θ as tensors on this task's device: copied there once a round, not once per client."""
+        with warnings.catch_warnings():  # read-only arrays (a checkpoint's, a message's) are only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return [torch.as_tensor(np.asarray(p)).to(self.device) for p in params]
+
+    def _update(self, tensors: list[torch.Tensor]) -> list:
+        return [t.detach() for t in tensors] if self.resident else [_on_host(t) for t in tensors]
 
     def _batch_order(self, server_round: int, partition_id: int) -> torch.Generator:
         order_key = None if self.cfg.identical_shards else partition_id
@@ -141,6 +153,10 @@ class ClientTask:
             update=update,
             keep=client_mask(self.cfg, server_round, partition_id, sync_seed, self.num_blocks, keep_prob),
         )
+
+
+def _on_host(block) -> np.ndarray:
+    return block.detach().cpu().numpy() if isinstance(block, torch.Tensor) else block
 
 
 def _raise_or_hang(fault: FaultInjection, round_timeout: float) -> None:

@@ -68,8 +68,10 @@ class RoundMeasurements:
             derive_seed(self.cfg.seed, MEASUREMENT, purpose, server_round)
         )
 
-    def _tensors(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        return [torch.as_tensor(np.asarray(a)).to(self.device, self.dtype) for a in arrays]
+    def _tensors(self, arrays: Sequence) -> list[torch.Tensor]:
+        """numpy arrays or tensors (Δ_k left on a GPU by the local engine) on the measurement's device."""
+        return [(a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))).to(self.device, self.dtype)
+                for a in arrays]
 
     def curvature_due(self, server_round: int) -> bool:
         every = self.cfg.curvature_every

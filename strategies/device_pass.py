@@ -1,0 +1,94 @@
+"""The cohort pass (strategies/cohort_pass.py) for updates that are torch tensors on a device.
+
+When the local engine trains on a GPU, the clients' Δ_k stay there: copying ten model-sized
+updates to the host and reducing them with numpy each round costs more than the arithmetic.
+Here each block's updates are stacked into one (K_c, size) float64 tensor and the same sums
+are taken with a few reductions; only the scalars and θ − step cross to the host. The sums are
+the numpy pass's up to float64 summation order (tests/test_cohort_pass.py runs both).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from strategies.cohort_pass import ServerStep
+
+
+@dataclass(frozen=True)
+class DeviceSums:
+    """Σ over blocks of what one block contributes, as host floats."""
+
+    sq_norms: list[float]  # ‖Δ_k‖² per client
+    sq_norm_of_sum: float  # ‖Σ_k Δ_k‖²
+    sq_norm_of_weighted_sum: float  # ‖Σ_k n_k Δ_k‖²
+
+
+def tensor_device(updates: Sequence[Sequence]) -> torch.device | None:
+    """The device of the first torch tensor among the updates, or None when all are numpy arrays."""
+    for update in updates:
+        for block in update:
+            if isinstance(block, torch.Tensor):
+                return block.device
+    return None
+
+
+def _flat64(block, device: torch.device) -> torch.Tensor:
+    with warnings.catch_warnings():  # read-only arrays (a faulty client's copy, a message's bytes) are only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.as_tensor(block).reshape(-1).to(device, torch.float64)
+
+
+@torch.no_grad()
+def reduce_on_device(
+    updates: Sequence[Sequence], weights: Sequence[float], step: ServerStep | None, device: torch.device
+) -> tuple[DeviceSums, list[np.ndarray] | None]:
+    """The sums of ``reduce_cohort`` and, given ``step``, θ − step as numpy arrays in θ's dtypes.
+
+    Blocks that are numpy arrays (a client whose update was corrupted on the host) are moved to
+    ``device``; inputs are validated by ``reduce_cohort``.
+    """
+    w = torch.tensor(weights, dtype=torch.float64, device=device)
+    sq_norms = torch.zeros(len(updates), dtype=torch.float64, device=device)
+    sq_norm_of_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sq_norm_of_weighted_sum = torch.zeros((), dtype=torch.float64, device=device)
+    new_params: list[np.ndarray] | None = None if step is None else []
+    for b in range(len(updates[0])):
+        if len({int(np.prod(u[b].shape)) for u in updates}) > 1:
+            raise ValueError(f"block {b} has different sizes across updates")
+        stacked = torch.stack([_flat64(u[b], device) for u in updates])  # (K_c, size)
+        total = stacked.sum(0)
+        weighted_total = w @ stacked
+        sq_norms += (stacked * stacked).sum(1)
+        sq_norm_of_sum += total @ total
+        sq_norm_of_weighted_sum += weighted_total @ weighted_total
+        if step is not None:
+            new_params.append(_server_step_block(step, b, stacked, total, weighted_total, w))
+    sums = DeviceSums(sq_norms.tolist(), float(sq_norm_of_sum), float(sq_norm_of_weighted_sum))
+    return sums, new_params
+
+
+def _server_step_block(step: ServerStep, b: int, stacked: torch.Tensor, total: torch.Tensor,
+                       weighted_total: torch.Tensor, w: torch.Tensor) -> np.ndarray:
+    """θ^(b) − step^(b) in float64, rounded once to θ's dtype (ServerStep says what the step is)."""
+    theta = np.asarray(step.params[b])
+    if theta.size != stacked.shape[1]:
+        raise ValueError(f"block {b}: θ has {theta.size} values, updates have {stacked.shape[1]}")
+    if step.block_coefs is not None:
+        coefs = torch.tensor([c[b] for c in step.block_coefs], dtype=torch.float64, device=stacked.device)
+        if step.coordinate_masks is not None:
+            masks = step.coordinate_masks.for_tensor(b, stacked.shape[1])
+            stacked = stacked * torch.as_tensor(np.stack(masks)).to(stacked.device)
+        delta = coefs @ stacked
+    elif step.weighted:
+        delta = weighted_total / w.sum()
+    else:
+        delta = total / stacked.shape[0]
+    rounded = (_flat64(theta, stacked.device) - delta).to(torch.from_numpy(np.empty(0, theta.dtype)).dtype)
+    return rounded.cpu().numpy().reshape(theta.shape)
