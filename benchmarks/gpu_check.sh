@@ -7,9 +7,11 @@
 #
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
-# (control, repetition, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py (rounds per cell, precision
-# and path; the protocol's projected time; then 4 and 8 runs sharing the GPU at once, CUDA graphs),
-# 5 the bs-32 cell again with skip-padding-taps.
+# (control, repetition, CUDA graphs against eager, device-resident against host rounds, CUDA-vs-CPU
+# drift), 4 benchmarks/gpu_timing.py (rounds per cell, precision and path, each split into training
+# and server step; the protocol's projected time; then 4 runs sharing the GPU at once, vectorised
+# with CUDA graphs), 5 the server step on the device against numpy on the host, 6 the bs-32 cell
+# again with skip-padding-taps.
 # Every step runs, each under a time limit; the exit status is 1 when one failed.
 # GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
 
@@ -30,7 +32,8 @@ import importlib, sys
 modules = ["fedmask_app.engines.local", "fedmask_app.run.client_task", "fedmask_app.run.evaluation",
            "fedmask_app.run.measurements", "fedmask_app.run.loop", "clients.training", "clients.vectorized",
            "clients.masking", "clients.seeds", "strategies.aggregate", "strategies.cohort", "strategies.round",
-           "strategies.stats", "strategies.server_step", "strategies.cohort_pass"]
+           "strategies.stats", "strategies.server_step", "strategies.cohort_pass", "strategies.device_pass",
+           "clients.cuda_graphs"]
 for name in modules:
     importlib.import_module(name)
 pulled = sorted(m for m in sys.modules if m.split(".")[0] in ("flwr", "ray"))
@@ -93,15 +96,22 @@ step "tests/test_cuda.py" 150 "$PY" tests/test_cuda.py
 if [[ $SMOKE == 1 ]]; then
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
         --concurrent 2
+    step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
+        --data-dir "$DATA_DIR" --paths vectorised --precisions float32 --residency both
 else
-    # --budget-s skips the configurations left once 200 s have passed; --config-cap-s ends one
-    # configuration's timed rounds after 12 s (at least one round is timed).
-    step "benchmarks/gpu_timing.py" 360 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --budget-s 200 --config-cap-s 12 --concurrent 4 8 --concurrent-path graphs
-    # skip-padding-taps on the launch-bound cell, each path (compare with the lines above)
-    step "benchmarks/gpu_timing.py --skip-padding-taps" 180 "$PY" benchmarks/gpu_timing.py --device cuda \
-        --data-dir "$DATA_DIR" --cells bs32-tau2 --precisions float32 tf32 --budget-s 110 --config-cap-s 10 \
-        --skip-padding-taps --test-images 2000
+    # --budget-s skips the configurations left once 180 s have passed; --config-cap-s ends one
+    # configuration's timed rounds after 10 s (at least one round is timed).
+    step "benchmarks/gpu_timing.py" 300 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --paths vec-graphs vectorised graphs sequential --budget-s 180 --config-cap-s 10 \
+        --concurrent 4 --concurrent-path vec-graphs
+    # the server step on the device against the host's numpy pass, side by side, where it weighs most
+    step "benchmarks/gpu_timing.py --residency both" 90 "$PY" benchmarks/gpu_timing.py --device cuda \
+        --data-dir "$DATA_DIR" --paths vectorised --cells bs128-tau1 full-tau1 --precisions tf32 \
+        --residency both --budget-s 50 --config-cap-s 5 --test-images 2000
+    # skip-padding-taps on the launch-bound cell, the vectorised paths (compare with the lines above)
+    step "benchmarks/gpu_timing.py --skip-padding-taps" 120 "$PY" benchmarks/gpu_timing.py --device cuda \
+        --data-dir "$DATA_DIR" --cells bs32-tau2 --paths vec-graphs vectorised --precisions float32 tf32 \
+        --budget-s 70 --config-cap-s 8 --skip-padding-taps --test-images 2000
 fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "=== gpu_check: FAILED steps: ${FAILED[*]}"

@@ -1,8 +1,11 @@
 """Seconds per fedmask-local round on this machine, and the paper protocol's projected time.
 
 Times the local engine's round (``fedmask_app.engines.local.local_train_round``: the cohort's
-local training, sequential, vectorised (``vectorize``) or sequential with each full minibatch's
-step replayed from a CUDA graph (``cuda-graphs``), then aggregation and the statistics)
+local training, sequential, vectorised (``vectorize``), sequential with each full minibatch's
+step replayed from a CUDA graph (``cuda-graphs``: path "graphs") or vectorised with each full
+cohort step replayed ("vec-graphs"), then aggregation and the statistics; each line splits
+the round into the training and the server step after it; ``--residency both`` times each
+configuration with the replies' Δ_k reduced on the device and on the host, side by side)
 for the paper's cells bs 32 τ 2, bs 128 τ 1 and full batch τ 1, in each precision (float32,
 tf32, bf16), with ``--warmup`` untimed and ``--rounds`` timed rounds per cell, precision and
 path; and one evaluation of the test set (10,000 images, eval-batch-size 500) per precision.
@@ -42,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedmask_app.engines.local import in_process, local_train_round
+from fedmask_app.engines.local import in_process, local_train_round, resident_on
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import RunConfig, pyproject_defaults, run_config_from_values
 from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME, load_cifar10, normalize
@@ -52,7 +55,11 @@ from fedmask_app.run.model import MODELS, build_model, initial_parameters
 CELLS = (("bs32-tau2", 32, 2), ("bs128-tau1", 128, 1), ("full-tau1", "full", 1))
 PRECISIONS = ("float32", "tf32", "bf16")
 # (name, vectorize, cuda-graphs)
-PATHS = (("sequential", False, False), ("vectorised", True, False), ("graphs", False, True))
+PATHS = (("sequential", False, False), ("vectorised", True, False), ("graphs", False, True),
+         ("vec-graphs", True, True))
+# --residency: (name, ClientTask resident) pairs timed per configuration; None: as the engine does
+RESIDENCIES = {"engine": (("engine", None),), "device": (("device", True),), "host": (("host", False),),
+               "both": (("device", True), ("host", False))}
 GRID1 = tuple((bs, tau) for bs in (32, 128, "full") for tau in (1, 2, 5))
 GRID2_EXTRA = ((32, 2), (32, 2))  # α = 1 and α = 0.1 (α = 100 is grid 1's cell)
 SEEDS, ROUNDS, K_C, N_K, TEST_IMAGES, EVAL_BATCH = 3, 200, 10, 500, 10000, 500
@@ -60,10 +67,14 @@ SEEDS, ROUNDS, K_C, N_K, TEST_IMAGES, EVAL_BATCH = 3, 200, 10, 500, 10000, 500
 
 @dataclass(frozen=True)
 class Timing:
-    """Median seconds per timed round and images processed per second (τ · Σ n_k per round)."""
+    """Median seconds per timed round and images processed per second (τ · Σ n_k per round); of a
+    round, the median seconds of the cohort's training (replies made, θ and shards already on the
+    device) and of the server step after it (checks, aggregation, statistics)."""
 
     seconds: float
     images_per_s: float
+    train_seconds: float
+    server_seconds: float
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the path --concurrent times (float32)")
     parser.add_argument("--skip-padding-taps", action="store_true",
                         help="every configuration with skip-padding-taps = true (convolutions skip padding-only taps)")
+    parser.add_argument("--residency", choices=tuple(RESIDENCIES), default="engine",
+                        help="where the replies' Δ_k are reduced: as the engine does (on a GPU: on the device), "
+                             "device, host (numpy), or both side by side with their ratio")
     parser.add_argument("--worker-json", default="", help=argparse.SUPPRESS)  # a --concurrent worker's output
     parser.add_argument("--barrier", default="", help=argparse.SUPPRESS)  # folder of its ready files
     parser.add_argument("--barrier-count", type=int, default=1, help=argparse.SUPPRESS)
@@ -158,35 +172,50 @@ def config_values(base: dict, precision: str, path: str, bs: int | str, tau: int
 
 
 def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int, cap_s: float = 0.0,
-                barrier: tuple[str, str, int] = ("", "", 1)) -> Timing:
+                barrier: tuple[str, str, int] = ("", "", 1), resident: bool | None = None) -> Timing:
     """Warm-up then timed rounds of the local engine's round for ``cfg``. Every shard is moved to the
     device first, as a long run has them all resident after its first rounds. With ``cap_s`` the
     timed rounds stop once they have taken that long (at least one is timed); ``barrier`` (folder,
-    name, count) waits for the other processes before the timed rounds."""
-    task = ClientTask(cfg, shards)
+    name, count) waits for the other processes before the timed rounds. ``resident``: whether the
+    replies' Δ_k stay tensors on the device (None: as the engine decides, ``resident_on``)."""
+    device = compute_setup(cfg)[0]
+    task = ClientTask(cfg, shards, resident=resident_on(device) if resident is None else resident)
     for partition_id in range(cfg.num_clients):
         task.shard(partition_id)
-    train_round = local_train_round(cfg, in_process(cfg, task))
+    train_cohort = in_process(cfg, task)
+    train_seconds: list[float] = []
+
+    def timed_train_cohort(*args):
+        sync(device)
+        started = time.perf_counter()
+        replies = train_cohort(*args)
+        sync(device)
+        train_seconds.append(time.perf_counter() - started)
+        return replies
+
+    train_round = local_train_round(cfg, timed_train_cohort)
     params = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)]
-    seconds, images = [], 0
+    seconds, server_seconds, images = [], [], 0
     for server_round in range(1, warmup + rounds + 1):
         if server_round == warmup + 1:
             wait_at_barrier(*barrier)
         if cap_s and seconds and sum(seconds) > cap_s:
             break
-        sync(task.device)
+        sync(device)
         started = time.perf_counter()
         outcome = train_round(server_round, params, cfg.keep_prob, None)
-        sync(task.device)
+        sync(device)
         if outcome.num_failures:
             raise RuntimeError("; ".join(outcome.failures))
         params = outcome.result.params
         if server_round > warmup:
             seconds.append(time.perf_counter() - started)
+            server_seconds.append(seconds[-1] - train_seconds[-1])
             images += cfg.local_epochs * outcome.result.num_examples
-    del task
+    del task, outcome
     release_memory()
-    return Timing(statistics.median(seconds), images / sum(seconds))
+    return Timing(statistics.median(seconds), images / sum(seconds), statistics.median(train_seconds[warmup:]),
+                  statistics.median(server_seconds))
 
 
 def time_evaluation(cfg: RunConfig, test_images: int) -> float:
@@ -216,10 +245,13 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def protocol_hours(rates: dict, eval_s: float, eval_scale: float) -> tuple[float, float]:
-    """Projected hours of grid 1 and grid 2's extra cells from images/s per batch size."""
+def protocol_hours(timings: dict, eval_s: float, eval_scale: float) -> tuple[float, float]:
+    """Projected hours of grid 1 and grid 2's extra cells from each batch size's measured round:
+    its training at the measured images/s for 10 · 500 · τ images, its server step once a round."""
     def cell_s(bs, tau: int) -> float:
-        return SEEDS * ROUNDS * (K_C * N_K * tau / rates[bs] + eval_s * eval_scale)
+        timing, measured_tau = timings[bs], next(t for _, b, t in CELLS if b == bs)
+        train_rate = K_C * N_K * measured_tau / timing.train_seconds
+        return SEEDS * ROUNDS * (K_C * N_K * tau / train_rate + timing.server_seconds + eval_s * eval_scale)
 
     return sum(cell_s(*c) for c in GRID1) / 3600, sum(cell_s(*c) for c in GRID2_EXTRA) / 3600
 
@@ -229,30 +261,32 @@ def print_projection(results: dict, eval_seconds: dict, test_images: int) -> Non
     print("\n# PROJECTION from measured rounds (not measured runs): paper protocol = grid 1 (bs {32,128,full} × "
           f"τ {{1,2,5}}, 9 cells) + grid 2's 2 extra cells (bs 32 τ 2, α 1 and 0.1) = 11 cells × {SEEDS} seeds × "
           f"{ROUNDS} rounds, K_c = {K_C} × n_k = {N_K}; τ scales a cell's training time linearly from the measured τ "
-          f"(bs 32 at τ 2, bs 128 and full at τ 1), plus one evaluation of {TEST_IMAGES} test images per round; "
+          f"(bs 32 at τ 2, bs 128 and full at τ 1), plus its measured server step and one evaluation of "
+          f"{TEST_IMAGES} test images per round; "
           "runs one after another on this one device. Grid 2's non-IID cells have unequal n_k: the vectorised "
           "path pays the cohort's largest shard, so α = 0.1 costs more than projected there.")
     eval_scale = TEST_IMAGES / test_images
-    for (precision, path), rates in results.items():
-        if len(rates) < len(CELLS):
-            print(f"projection {precision:8s} {path:10s}: incomplete (a cell failed or was skipped)")
+    for (precision, path), timings in results.items():
+        if len(timings) < len(CELLS):
+            print(f"projection {precision:8s} {path:17s}: incomplete (a cell failed or was skipped)")
             continue
-        grid1, grid2 = protocol_hours(rates, eval_seconds.get(precision, 0.0), eval_scale)
-        print(f"projection {precision:8s} {path:10s}: grid 1 {grid1:7.2f} h + grid 2 extra {grid2:6.2f} h = "
+        grid1, grid2 = protocol_hours(timings, eval_seconds.get(precision, 0.0), eval_scale)
+        print(f"projection {precision:8s} {path:17s}: grid 1 {grid1:7.2f} h + grid 2 extra {grid2:6.2f} h = "
               f"{grid1 + grid2:7.2f} h of device time")
 
 
 def run_configuration(values: dict, shards: dict | None, args: argparse.Namespace, label: str,
-                      barrier: tuple[str, str, int] = ("", "", 1)) -> Timing | None:
+                      barrier: tuple[str, str, int] = ("", "", 1), resident: bool | None = None) -> Timing | None:
     """Time one configuration and print its line; None when it failed."""
     try:
         cfg = run_config_from_values(values)
-        timing = time_rounds(cfg, shards, args.warmup, args.rounds, args.config_cap_s, barrier)
+        timing = time_rounds(cfg, shards, args.warmup, args.rounds, args.config_cap_s, barrier, resident)
     except Exception as exc:  # report and go on: one failing configuration must not hide the others
         print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
         release_memory()
         return None
-    print(f"{label}: {timing.seconds:8.3f} s/round  {timing.images_per_s:10.0f} images/s", flush=True)
+    print(f"{label}: {timing.seconds:8.3f} s/round  {timing.images_per_s:10.0f} images/s  (training "
+          f"{timing.train_seconds:.3f} s + server step {timing.server_seconds:.3f} s)", flush=True)
     return timing
 
 
@@ -329,20 +363,27 @@ def main(argv: list[str] | None = None) -> int:
                 if graphs and device.type != "cuda":
                     print(f"{precision:8s} {path:10s}: skipped (CUDA graphs need a CUDA device)", flush=True)
                     continue
-                rates = results.setdefault((precision, path), {})
                 for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
-                    label = f"{precision:8s} {path:10s} {cell:10s}"
-                    if args.budget_s and time.perf_counter() - started > args.budget_s:
-                        print(f"{label}: skipped (past --budget-s {args.budget_s:g})", flush=True)
-                        continue
-                    timing = run_configuration(config_values(base, precision, path, bs, tau), shards, args, label)
-                    failed |= timing is None
-                    if timing is not None:
-                        rates[bs] = timing.images_per_s
+                    measured = {}
+                    for residency, resident in RESIDENCIES[args.residency]:
+                        name = path if args.residency != "both" else f"{path}/{residency}"
+                        label = f"{precision:8s} {name:{10 if args.residency != 'both' else 17}s} {cell:10s}"
+                        if args.budget_s and time.perf_counter() - started > args.budget_s:
+                            print(f"{label}: skipped (past --budget-s {args.budget_s:g})", flush=True)
+                            continue
+                        timing = run_configuration(config_values(base, precision, path, bs, tau), shards, args,
+                                                   label, resident=resident)
+                        failed |= timing is None
+                        if timing is not None:
+                            results.setdefault((precision, name), {})[bs] = measured[residency] = timing
+                    if len(measured) == 2:
+                        print(f"{precision:8s} {path:10s} {cell:10s}: host / device-resident seconds per round = "
+                              f"{measured['host'].seconds / measured['device'].seconds:.2f}x", flush=True)
         print_projection(results, eval_seconds, args.test_images)
         if args.concurrent:
             single = results.get(("float32", args.concurrent_path), {})
-            time_concurrent(args, args.concurrent, {c[0]: single.get(c[1]) for c in CELLS})
+            time_concurrent(args, args.concurrent,
+                            {c[0]: single[c[1]].images_per_s if c[1] in single else None for c in CELLS})
     print(f"# gpu_timing took {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
 

@@ -91,9 +91,9 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def _stack(model: nn.Module, global_params: Sequence, num_clients: int) -> tuple[list[torch.Tensor], Params]:
-    """θ (cast to the model's parameter dtypes and device) and a copy of it per client."""
-    theta, stacked = [], {}
+def _theta(model: nn.Module, global_params: Sequence) -> list[torch.Tensor]:
+    """θ cast to the model's parameter dtypes and device, checked against its shapes."""
+    theta = []
     for (name, p), value in zip(model.named_parameters(), global_params, strict=True):
         with warnings.catch_warnings():  # read-only arrays (views over a message's bytes) are only read
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -101,8 +101,49 @@ def _stack(model: nn.Module, global_params: Sequence, num_clients: int) -> tuple
         if t.shape != p.shape:
             raise ValueError(f"parameter {name}: got shape {tuple(t.shape)}, the model has {tuple(p.shape)}")
         theta.append(t)
-        stacked[name] = t.unsqueeze(0).repeat(num_clients, *([1] * t.dim())).contiguous()
-    return theta, stacked
+    return theta
+
+
+def stack_copies(model: nn.Module, theta: list[torch.Tensor], num_clients: int) -> Params:
+    """A copy of θ per client, stacked along a leading dimension, by parameter name."""
+    return {name: t.unsqueeze(0).repeat(num_clients, *([1] * t.dim())).contiguous()
+            for (name, _), t in zip(model.named_parameters(), theta, strict=True)}
+
+
+class CohortStep:
+    """One synchronous SGD step of the clients taking part, on their stacked parameters in place.
+
+    ``clients.cuda_graphs.CudaGraphCohortStep`` replays the same step from a CUDA graph; it keeps
+    the stacked parameters in buffers of its own (``stacked_params``) for the graph to update.
+    """
+
+    def __init__(self, model: nn.Module, training: LocalTraining, chunk_size: int | None = None,
+                 autocast_cache: bool = True):
+        self.model = model
+        self.training = training
+        self.losses = vmap(lambda *a: _client_step_loss(model, *a), chunk_size=chunk_size)
+        self.autocast_cache = autocast_cache
+
+    def stacked_params(self, theta: list[torch.Tensor], num_clients: int) -> Params:
+        return stack_copies(self.model, theta, num_clients)
+
+    def __call__(self, stacked: Params, clients: torch.Tensor | None, images: torch.Tensor, labels: torch.Tensor,
+                 weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The step of ``clients`` (None: every client) on their padded batches; their losses, detached."""
+        params = {n: (p if clients is None else p.index_select(0, clients)).detach().requires_grad_()
+                  for n, p in stacked.items()}
+        autocast = (
+            torch.autocast(device_type=images.device.type, dtype=torch.bfloat16, cache_enabled=self.autocast_cache)
+            if self.training.bf16
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            losses = self.losses(params, images, labels, weights, counts)
+        # Σ_k loss_k: client k's loss depends on its own parameters only, so this is every
+        # client's own gradient (the backward of the batched forward: grouped convolutions).
+        grads = dict(zip(params, torch.autograd.grad(losses.sum(), list(params.values())), strict=True))
+        _sgd(stacked, grads, clients, self.training.lr)
+        return losses.detach()
 
 
 def vectorized_local_updates(
@@ -112,66 +153,54 @@ def vectorized_local_updates(
     training: LocalTraining,
     generators: list[torch.Generator],
     chunk_size: int | None = None,
+    step: CohortStep | None = None,
 ) -> list[LocalResult]:
     """Train every client of a cohort from θ = ``global_params`` at once; one ``LocalResult`` per shard.
 
     ``model`` supplies the architecture (its parameters are not changed); ``shards`` are
     (images, labels) on the model's device; ``generators[k]`` orders client k's batches exactly as
-    in ``local_update``. ``chunk_size`` bounds how many clients one vmapped call processes.
+    in ``local_update``. ``chunk_size`` bounds how many clients one vmapped call processes;
+    ``step`` takes each synchronous step (default: an eager ``CohortStep``).
     """
     if not shards or len(shards) != len(generators):
         raise ValueError(f"need one generator per shard, got {len(shards)} shards and {len(generators)} generators")
     if any(len(labels) == 0 for _, labels in shards):
         raise ValueError("every shard needs at least one example")
     _check_model(model)
-    theta, stacked = _stack(model, global_params, len(shards))
+    step = step or CohortStep(model, training, chunk_size)
+    theta = _theta(model, global_params)
+    stacked = step.stacked_params(theta, len(shards))
     device = theta[0].device
     sizes = [len(labels) for _, labels in shards]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
     images = torch.cat([x for x, _ in shards]).to(device)
     labels = torch.cat([y for _, y in shards]).to(device)
     schedules = [batch_orders(n, training, g) for n, g in zip(sizes, generators, strict=True)]
-    loss_sums = _train(model, stacked, images, labels, cohort_schedule(schedules, offsets, device), training,
-                       chunk_size)
+    loss_sums = _train(model, step, stacked, images, labels, cohort_schedule(schedules, offsets, device))
     return _results(theta, stacked, sizes, schedules, loss_sums)
 
 
-def _train(
-    model: nn.Module, stacked: Params, images: torch.Tensor, labels: torch.Tensor, steps: list[_Step],
-    training: LocalTraining, chunk_size: int | None,
-) -> torch.Tensor:
+def _train(model: nn.Module, step: CohortStep, stacked: Params, images: torch.Tensor, labels: torch.Tensor,
+           steps: list[_Step]) -> torch.Tensor:
     """Run the steps in place on ``stacked``; returns each client's float32 sum of loss × batch size."""
     num_clients = next(iter(stacked.values())).shape[0]
-    step_losses = vmap(lambda *a: _client_step_loss(model, *a), chunk_size=chunk_size)
-    autocast = (
-        torch.autocast(device_type=images.device.type, dtype=torch.bfloat16)
-        if training.bf16
-        else contextlib.nullcontext()
-    )
     loss_sums = torch.zeros(num_clients, device=images.device)
     was_training = model.training
     model.train()
     try:
-        for step in steps:
-            everyone = len(step.clients) == num_clients
-            params = {n: (p if everyone else p.index_select(0, step.clients)).detach().requires_grad_()
-                      for n, p in stacked.items()}
-            with autocast:
-                losses = step_losses(params, images[step.indices], labels[step.indices], step.weights, step.counts)
-            # Σ_k loss_k: client k's loss depends on its own parameters only, so this is every
-            # client's own gradient (the backward of the batched forward: grouped convolutions).
-            grads = dict(zip(params, torch.autograd.grad(losses.sum(), list(params.values())), strict=True))
-            _sgd(stacked, grads, step.clients, everyone, training.lr)
-            loss_sums.index_add_(0, step.clients, losses.detach().float() * step.counts)
+        for s in steps:
+            clients = None if len(s.clients) == num_clients else s.clients
+            losses = step(stacked, clients, images[s.indices], labels[s.indices], s.weights, s.counts)
+            loss_sums.index_add_(0, s.clients, losses.float() * s.counts)
     finally:
         model.train(was_training)
     return loss_sums
 
 
 @torch.no_grad()
-def _sgd(stacked: Params, grads: Params, clients: torch.Tensor, everyone: bool, lr: float) -> None:
-    """p ← p − lr · g for the clients taking part (all of them: in place, one foreach call)."""
-    if everyone:
+def _sgd(stacked: Params, grads: Params, clients: torch.Tensor | None, lr: float) -> None:
+    """p ← p − lr · g for the clients taking part (None: all of them, in place, one foreach call)."""
+    if clients is None:
         torch._foreach_add_(list(stacked.values()), [grads[n] for n in stacked], alpha=-lr)
         return
     for name, p in stacked.items():

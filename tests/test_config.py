@@ -127,7 +127,6 @@ BAD = [
     ("inject-fault='explode:1:2'", "inject-fault", "'explode:1:2'"),
     ("seed=-1", "seed", "-1"),
     ("cuda-graphs=true device='cpu'", "cuda-graphs", "True"),
-    ("cuda-graphs=true vectorize=true", "cuda-graphs", "True"),
     ("client-processes=-1", "client-processes", "-1"),
     ("client-processes=2 vectorize=true", "client-processes", "2"),
     ("client-processes=0 device='cuda'", "client-processes", "0"),

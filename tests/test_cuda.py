@@ -1,6 +1,7 @@
 """The local engine on CUDA (skipped without a CUDA device): the identical-shards control, bitwise
-repetition (sequential, vectorised, CUDA graphs), CUDA graphs against the eager step, and how far
-CUDA's numbers lie from the CPU's (printed: a measurement, not a bound).
+repetition (sequential, vectorised, CUDA graphs), CUDA graphs against the eager step, rounds
+reduced on the device against rounds reduced on the host, and how far CUDA's numbers lie from
+the CPU's (printed: a measurement, not a bound).
 
 Small configurations (20 clients, 4 a round, shards of 64 images, 200 test images) on the data
 in $FEDMASK_GPU_DATA_DIR, else ``.gpu-data/`` (the subset benchmarks/gpu_subset.py writes), else
@@ -28,6 +29,7 @@ try:
 except ImportError:  # a bare GPU machine: run as a script, see main()
     pytest = None
 
+import fedmask_app.engines.local as local
 from fedmask_app.engines.local import run_local
 from fedmask_app.run.config import run_config_from_values
 from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME
@@ -35,6 +37,7 @@ from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME
 ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR_ENV = "FEDMASK_GPU_DATA_DIR"
 HAS_CUDA = torch.cuda.is_available()
+RESIDENT_ON = local.resident_on
 if pytest is not None:
     pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
 
@@ -68,7 +71,7 @@ def run(out: Path, name: str, **values) -> tuple[pd.DataFrame, list[np.ndarray]]
 
 
 PATHS = {"sequential": {}, "vectorised": {"vectorize": True}, "graphs": {"cuda-graphs": True},
-         "live-taps": {"skip-padding-taps": True}}
+         "vectorised-graphs": {"vectorize": True, "cuda-graphs": True}, "live-taps": {"skip-padding-taps": True}}
 
 
 def test_identical_shards_control_gives_the_ceiling_on_cuda(tmp_path: Path) -> None:
@@ -79,18 +82,22 @@ def test_identical_shards_control_gives_the_ceiling_on_cuda(tmp_path: Path) -> N
 
 
 def test_cuda_graphs_replay_the_eager_step(tmp_path: Path) -> None:
-    """cuda-graphs = true replays the sequential path's kernels: the same rows and θ. Prints how
-    far they lie apart (0 when bitwise equal); asserts round 1 within 1e-5 relative."""
-    for precision in ("float32", "bf16"):
-        common = {"num-rounds": 3, "precision": precision, "max-shard-size": 80}  # 2 full batches + 16: both kinds
-        (eager, theta_e), (graphed, theta_g) = (
-            run(tmp_path, f"graphs{int(g)}-{precision}", **common, **{"cuda-graphs": g}) for g in (False, True)
-        )
-        worst = max(relative(float(a), float(b)) for c in COMPARED for a, b in zip(eager[c], graphed[c], strict=True))
-        print(f"\n{precision}: cuda-graphs vs eager, 3 rounds: worst relative row difference {worst:.2e}, "
-              f"theta {theta_relative(theta_e, theta_g):.2e}")
-        first = [relative(float(eager[c].iloc[0]), float(graphed[c].iloc[0])) for c in COMPARED]
-        assert max(first) <= 1e-5, f"{precision}: round 1 differs by {max(first):.2e}"
+    """cuda-graphs = true replays the eager path's kernels, sequential or vectorised: the same rows
+    and θ. Prints how far they lie apart (0 when bitwise equal); asserts round 1 within 1e-5 relative."""
+    for path, vectorize in (("sequential", False), ("vectorised", True)):
+        for precision in ("float32", "bf16"):
+            common = {"num-rounds": 3, "precision": precision, "max-shard-size": 80,  # 2 full batches + 16
+                      "vectorize": vectorize}
+            (eager, theta_e), (graphed, theta_g) = (
+                run(tmp_path, f"graphs{int(g)}-{path}-{precision}", **common, **{"cuda-graphs": g})
+                for g in (False, True)
+            )
+            worst = max(relative(float(a), float(b))
+                        for c in COMPARED for a, b in zip(eager[c], graphed[c], strict=True))
+            print(f"\n{path} {precision}: cuda-graphs vs eager, 3 rounds: worst relative row difference "
+                  f"{worst:.2e}, theta {theta_relative(theta_e, theta_g):.2e}")
+            first = [relative(float(eager[c].iloc[0]), float(graphed[c].iloc[0])) for c in COMPARED]
+            assert max(first) <= 1e-5, f"{path} {precision}: round 1 differs by {max(first):.2e}"
 
 
 def test_the_same_seed_twice_gives_identical_rows_on_cuda(tmp_path: Path) -> None:
@@ -99,6 +106,27 @@ def test_the_same_seed_twice_gives_identical_rows_on_cuda(tmp_path: Path) -> Non
         timing = [c for c in a.columns if c.endswith("seconds")]
         pd.testing.assert_frame_equal(a.drop(columns=timing), b.drop(columns=timing), check_exact=True)
         assert all(np.array_equal(x, y) for x, y in zip(theta_a, theta_b, strict=True)), path
+
+
+def test_device_resident_rounds_are_the_host_rounds(tmp_path: Path) -> None:
+    """θ and Δ_k on the GPU, reduced there (the engine's default on CUDA), against replies copied to
+    the host and reduced with numpy: the same local training, only the server pass's float64
+    summation order differs. Prints the worst difference over 3 rounds; asserts round 1 within 1e-6."""
+    for path in ("sequential", "vectorised"):
+        runs = []
+        for resident in (True, False):
+            local.resident_on = lambda _device, resident=resident: resident
+            try:
+                runs.append(run(tmp_path, f"resident{int(resident)}-{path}", **{"num-rounds": 3, **PATHS[path]}))
+            finally:
+                local.resident_on = RESIDENT_ON
+        (on_device, theta_d), (on_host, theta_h) = runs
+        worst = max(relative(float(a), float(b))
+                    for c in COMPARED for a, b in zip(on_host[c], on_device[c], strict=True))
+        print(f"\n{path}: device-resident vs host rounds, 3 rounds: worst relative row difference {worst:.2e}, "
+              f"theta {theta_relative(theta_h, theta_d):.2e}")
+        first = [relative(float(on_host[c].iloc[0]), float(on_device[c].iloc[0])) for c in COMPARED]
+        assert max(first) <= 1e-6, f"{path}: round 1 differs by {max(first):.2e}"
 
 
 def relative(a: float, b: float) -> float:
@@ -146,6 +174,7 @@ TESTS: tuple[Callable[[Path], None], ...] = (
     test_identical_shards_control_gives_the_ceiling_on_cuda,
     test_the_same_seed_twice_gives_identical_rows_on_cuda,
     test_cuda_graphs_replay_the_eager_step,
+    test_device_resident_rounds_are_the_host_rounds,
     test_cuda_and_cpu_rows_differ_by,
 )
 

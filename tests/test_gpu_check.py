@@ -88,4 +88,5 @@ def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
     assert f"content sha256 {load_cifar10(subset_dir).sha256}" in out
     assert "SKIPPED (no CUDA device)" in out
     assert "PROJECTION from measured rounds" in out and "projection float32  vectorised" in out
+    assert "float32  vectorised full-tau1 : host / device-resident seconds per round = " in out
     assert out.rstrip().endswith("=== gpu_check: all steps passed")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from clients.cuda_graphs import CudaGraphCohortStep
 from clients.training import LocalResult, LocalTraining, local_update
 from clients.vectorized import vectorized_local_updates
 from fedmask_app.run.model import build_model, initial_parameters
@@ -71,6 +72,33 @@ def test_float64_small_model_matches_sequential(batch_size):
     _assert_equal_results(vec, seq, 1e-10)
     assert all(any(bool(t.any()) for t in s.update) for s in seq)  # training moved the weights
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # model untouched
+
+
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_cohort_step_on_persistent_buffers_is_the_eager_step(batch_size):
+    """CudaGraphCohortStep without capture (what a CPU can run): θ copied into its persistent
+    buffers each round, full steps taken on static input buffers, other steps eagerly on the same
+    buffers. Two rounds from different θ give the plain vectorised path's results bit for bit;
+    with equal shards every step is a full one."""
+    model = _small_model().double()
+    training = LocalTraining(epochs=2, batch_size=batch_size, lr=0.05)
+    step = CudaGraphCohortStep(model, training, capture=False)
+    for sizes in (SIZES, (8, 8, 8), (12, 8, 8)):
+        shards = _shards(sizes, torch.float64)
+        for round_seed in (0, 1):
+            torch.manual_seed(round_seed)
+            theta = [p.detach() + 0.01 * torch.randn_like(p) for p in model.parameters()]
+            plain = vectorized_local_updates(model, theta, shards, training, _generators(len(shards)))
+            buffered = vectorized_local_updates(model, theta, shards, training, _generators(len(shards)), step=step)
+            for a, b in zip(plain, buffered, strict=True):
+                assert all(torch.equal(x, y) for x, y in zip(a.update, b.update, strict=True))
+                assert a.train_loss == b.train_loss
+    assert (step._inputs is not None) == (batch_size is not None)  # full steps went through the static buffers
+
+
+def test_cuda_graph_cohort_step_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA device"):
+        CudaGraphCohortStep(_small_model(), LocalTraining(epochs=1, batch_size=4, lr=0.1))
 
 
 @pytest.mark.parametrize("skip_padding_taps", [False, True], ids=["all-taps", "live-taps"])

@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import torch
 
-from clients.cuda_graphs import CudaGraphStep
+from clients.cuda_graphs import CudaGraphCohortStep, CudaGraphStep
 from clients.masking import client_block_mask
 from clients.seeds import batch_order_seed
 from clients.training import LocalTraining, local_update
@@ -69,8 +69,10 @@ class ClientTask:
         self.num_blocks = len(list(self.model.parameters()))
         self._given_shards = shard_arrays  # deployment: a device's own shard file
         self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # cuda-graphs: one captured step per process, reused by every client it trains
-        self._step = CudaGraphStep(self.model, local_training(cfg)) if cfg.cuda_graphs else None
+        # cuda-graphs: one captured step per process, reused by every client (or cohort) it trains
+        graphs, vectorize = cfg.cuda_graphs, cfg.vectorize
+        self._step = CudaGraphStep(self.model, local_training(cfg)) if graphs and not vectorize else None
+        self._cohort_step = CudaGraphCohortStep(self.model, local_training(cfg)) if graphs and vectorize else None
 
     @functools.cached_property
     def _partition(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -125,7 +127,8 @@ class ClientTask:
         one ``train`` gives, up to float rounding (clients/vectorized.py)."""
         shards = [self.shard(pid) for pid in partition_ids]
         generators = [self._batch_order(server_round, pid) for pid in partition_ids]
-        results = vectorized_local_updates(self.model, global_params, shards, local_training(self.cfg), generators)
+        results = vectorized_local_updates(self.model, global_params, shards, local_training(self.cfg), generators,
+                                           step=self._cohort_step)
         return [
             self._reply(pid, server_round, sync_seed, keep_prob, r.num_examples, r.train_loss, self._update(r.update))
             for pid, r in zip(partition_ids, results, strict=True)

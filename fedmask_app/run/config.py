@@ -140,8 +140,8 @@ class RunConfig:
             "float32, tf32 or bf16 with device = 'cuda' (float64 is the CPU-only reference precision)",
         )
         _require(
-            not (self.cuda_graphs and (self.device == "cpu" or self.vectorize)), "cuda-graphs", self.cuda_graphs,
-            "false with device = 'cpu' or vectorize = true (CUDA graphs replay the sequential path's step on a GPU)",
+            not (self.cuda_graphs and self.device == "cpu"), "cuda-graphs", self.cuda_graphs,
+            "false with device = 'cpu' (CUDA graphs replay a training step on a GPU)",
         )
         self._validate_measurements()
         self._validate_server_step()
