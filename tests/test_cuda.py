@@ -92,12 +92,7 @@ def test_cuda_graphs_replay_the_eager_step(tmp_path: Path) -> None:
                 run(tmp_path, f"graphs{int(g)}-{path}-{precision}", **common, **{"cuda-graphs": g})
                 for g in (False, True)
             )
-            worst = max(relative(float(a), float(b))
-                        for c in COMPARED for a, b in zip(eager[c], graphed[c], strict=True))
-            print(f"\n{path} {precision}: cuda-graphs vs eager, 3 rounds: worst relative row difference "
-                  f"{worst:.2e}, theta {theta_relative(theta_e, theta_g):.2e}")
-            first = [relative(float(eager[c].iloc[0]), float(graphed[c].iloc[0])) for c in COMPARED]
-            assert max(first) <= 1e-5, f"{path} {precision}: round 1 differs by {max(first):.2e}"
+            compare_runs(f"{path} {precision}: cuda-graphs vs eager", (eager, theta_e), (graphed, theta_g), 1e-5)
 
 
 def test_the_same_seed_twice_gives_identical_rows_on_cuda(tmp_path: Path) -> None:
@@ -120,13 +115,19 @@ def test_device_resident_rounds_are_the_host_rounds(tmp_path: Path) -> None:
                 runs.append(run(tmp_path, f"resident{int(resident)}-{path}", **{"num-rounds": 3, **PATHS[path]}))
             finally:
                 local.resident_on = RESIDENT_ON
-        (on_device, theta_d), (on_host, theta_h) = runs
-        worst = max(relative(float(a), float(b))
-                    for c in COMPARED for a, b in zip(on_host[c], on_device[c], strict=True))
-        print(f"\n{path}: device-resident vs host rounds, 3 rounds: worst relative row difference {worst:.2e}, "
-              f"theta {theta_relative(theta_h, theta_d):.2e}")
-        first = [relative(float(on_host[c].iloc[0]), float(on_device[c].iloc[0])) for c in COMPARED]
-        assert max(first) <= 1e-6, f"{path}: round 1 differs by {max(first):.2e}"
+        compare_runs(f"{path}: device-resident vs host rounds", runs[1], runs[0], 1e-6)
+
+
+def compare_runs(label: str, reference: tuple[pd.DataFrame, list[np.ndarray]],
+                 other: tuple[pd.DataFrame, list[np.ndarray]], first_round_tolerance: float) -> None:
+    """Print the worst relative difference of the COMPARED columns over all rounds and of θ;
+    assert round 1's within ``first_round_tolerance``."""
+    (rows, theta), (other_rows, other_theta) = reference, other
+    worst = max(relative(float(a), float(b)) for c in COMPARED for a, b in zip(rows[c], other_rows[c], strict=True))
+    print(f"\n{label}, {len(rows)} rounds: worst relative row difference {worst:.2e}, "
+          f"theta {theta_relative(theta, other_theta):.2e}")
+    first = [relative(float(rows[c].iloc[0]), float(other_rows[c].iloc[0])) for c in COMPARED]
+    assert max(first) <= first_round_tolerance, f"{label}: round 1 differs by {max(first):.2e}"
 
 
 def relative(a: float, b: float) -> float:
