@@ -8,9 +8,10 @@
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
 # (control, repetition, CUDA graphs against eager, device-resident against host rounds, CUDA-vs-CPU
-# drift), 4 benchmarks/gpu_timing.py (rounds per cell, precision and path, each split into training
-# and server step; the protocol's projected time; then 4 runs sharing the GPU at once, vectorised
-# with CUDA graphs), 5 the server step on the device against numpy on the host, 6 the bs-32 cell
+# drift), 4 benchmarks/step_profile.py (one bs-32 step per path: wall against kernel time, the
+# costliest kernels), 5 benchmarks/gpu_timing.py (rounds per cell, precision and path, each split
+# into training and server step; the protocol's projected time; then 4 runs sharing the GPU at
+# once, vectorised with CUDA graphs), 6 the server step on the device against numpy on the host, 7 the bs-32 cell
 # again with skip-padding-taps.
 # Every step runs, each under a time limit; the exit status is 1 when one failed.
 # GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
@@ -94,15 +95,19 @@ step "imports without flwr/ray" 30 "$PY" -c "$IMPORTS_PY"
 step "data" 30 "$PY" -c "$DATA_PY" "$DATA_DIR"
 step "tests/test_cuda.py" 150 "$PY" tests/test_cuda.py
 if [[ $SMOKE == 1 ]]; then
+    step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cpu --steps 1 --clients 2 \
+        --paths sequential vectorised --top 3
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
         --concurrent 2
     step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
         --data-dir "$DATA_DIR" --paths vectorised --precisions float32 --residency both
 else
-    # --budget-s skips the configurations left once 180 s have passed; --config-cap-s ends one
+    # one bs-32 step of each path: wall time against the GPU's kernel time, and the costliest kernels
+    step "benchmarks/step_profile.py" 90 "$PY" benchmarks/step_profile.py --device cuda --precision float32 tf32
+    # --budget-s skips the configurations left once 150 s have passed; --config-cap-s ends one
     # configuration's timed rounds after 10 s (at least one round is timed).
     step "benchmarks/gpu_timing.py" 300 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths vec-graphs vectorised graphs sequential --budget-s 180 --config-cap-s 10 \
+        --paths vec-graphs vectorised graphs sequential --budget-s 150 --config-cap-s 10 \
         --concurrent 4 --concurrent-path vec-graphs
     # the server step on the device against the host's numpy pass, side by side, where it weighs most
     step "benchmarks/gpu_timing.py --residency both" 90 "$PY" benchmarks/gpu_timing.py --device cuda \
@@ -111,7 +116,7 @@ else
     # skip-padding-taps on the launch-bound cell, the vectorised paths (compare with the lines above)
     step "benchmarks/gpu_timing.py --skip-padding-taps" 120 "$PY" benchmarks/gpu_timing.py --device cuda \
         --data-dir "$DATA_DIR" --cells bs32-tau2 --paths vec-graphs vectorised --precisions float32 tf32 \
-        --budget-s 70 --config-cap-s 8 --skip-padding-taps --test-images 2000
+        --budget-s 50 --config-cap-s 8 --skip-padding-taps --test-images 2000
 fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "=== gpu_check: FAILED steps: ${FAILED[*]}"

@@ -1,0 +1,131 @@
+"""Where one training step's time goes: wall time against the device's busy time, and the kernels.
+
+For each path — one client's SGD step (``clients.training.SGDStep``), the vectorised cohort step
+(``clients.vectorized.CohortStep``: K_c clients at once) and, on CUDA, each replayed from a CUDA
+graph (``clients.cuda_graphs``) — prints the wall milliseconds per step (steps issued back to
+back, synchronised once) and, from ``torch.profiler`` over the same steps, the device time per
+step summed over kernels, the kernels launched per step and the most expensive kernels. When
+the device time is close to the wall time the step is bound by the GPU's kernels; when it is
+far below, by the CPU issuing them (which CUDA graphs remove). Synthetic CIFAR-shaped batches:
+the timing does not depend on the pixels.
+
+    python benchmarks/step_profile.py --device cuda --precision float32 tf32
+    python benchmarks/step_profile.py --device cpu --steps 2 --clients 2   # a CPU check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from clients.cuda_graphs import CudaGraphCohortStep, CudaGraphStep
+from clients.training import LocalTraining, SGDStep
+from clients.vectorized import CohortStep
+from fedmask_app.run.config import run_config_from_values
+from fedmask_app.run.device import compute_setup
+from fedmask_app.run.model import MODELS, build_model
+
+PATHS = ("sequential", "graphs", "vectorised", "vec-graphs")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--precision", nargs="+", choices=("float32", "tf32", "bf16"), default=["float32"])
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--model", choices=MODELS, default="resnet18-gn")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=10, help="K_c of the vectorised step")
+    parser.add_argument("--steps", type=int, default=20, help="timed and profiled steps per path")
+    parser.add_argument("--top", type=int, default=6, help="kernels listed per path")
+    parser.add_argument("--skip-padding-taps", action="store_true")
+    return parser.parse_args(argv)
+
+
+def step_function(path: str, model: torch.nn.Module, training: LocalTraining, clients: int,
+                  device: torch.device, dtype: torch.dtype) -> Callable[[], object]:
+    """One step of ``path`` on fixed synthetic batches, as a no-argument callable."""
+    gen = torch.Generator().manual_seed(0)
+    if path in ("sequential", "graphs"):
+        images = torch.randn(training.batch_size, 3, 32, 32, generator=gen).to(device, dtype)
+        labels = torch.randint(0, 10, (training.batch_size,), generator=gen).to(device)
+        step = CudaGraphStep(model, training) if path == "graphs" else SGDStep(model, training)
+        return lambda: step(images, labels)
+    images = torch.randn(clients, training.batch_size, 3, 32, 32, generator=gen).to(device, dtype)
+    labels = torch.randint(0, 10, (clients, training.batch_size), generator=gen).to(device)
+    weights = torch.ones(clients, training.batch_size, device=device)
+    counts = torch.full((clients,), training.batch_size, device=device)
+    step = CudaGraphCohortStep(model, training) if path == "vec-graphs" else CohortStep(model, training)
+    stacked = step.stacked_params([p.detach() for p in model.parameters()], clients)
+    return lambda: step(stacked, None, images, labels, weights, counts)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(run_step: Callable[[], object], steps: int, device: torch.device, top: int) -> str:
+    """Wall ms per step, then the profiler's device time, kernel count and top kernels per step."""
+    for _ in range(3):  # warm-up: cuDNN's algorithm choice, a CUDA graph's capture
+        run_step()
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        run_step()
+    sync(device)
+    wall_ms = (time.perf_counter() - started) * 1000 / steps
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            run_step()
+        sync(device)
+    lines = [f"wall {wall_ms:8.2f} ms/step"]
+    if device.type == "cuda":
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_ms = sum(e.device_time_total for e in kernels) / 1000 / steps
+        lines[0] += (f", kernels {busy_ms:8.2f} ms/step ({busy_ms / wall_ms:4.0%} of wall), "
+                     f"{len(kernels) / steps:.0f} kernels/step")
+        per_name: dict[str, float] = {}
+        for e in kernels:
+            per_name[e.name] = per_name.get(e.name, 0.0) + e.device_time_total / 1000 / steps
+        for name, ms in sorted(per_name.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"    {ms:7.3f} ms/step  {name[:110]}")
+    else:
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+        lines.extend("    " + line for line in table.splitlines())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(f"# step_profile: {args.model}, bs {args.batch_size}, K_c {args.clients} (vectorised), {args.steps} steps "
+          f"per path, torch {torch.__version__}, skip-padding-taps {args.skip_padding_taps}", flush=True)
+    failed = False
+    for precision in args.precision:
+        cfg = run_config_from_values({"device": args.device, "precision": precision, "model": args.model})
+        device, dtype = compute_setup(cfg)
+        training = LocalTraining(epochs=1, batch_size=args.batch_size, lr=0.01, bf16=precision == "bf16")
+        for path in args.paths:
+            label = f"{precision:8s} {path:10s} ({device.type})"
+            if path.endswith("graphs") and device.type != "cuda":
+                print(f"{label}: skipped (CUDA graphs need a CUDA device)", flush=True)
+                continue
+            try:
+                model = build_model(args.model, args.skip_padding_taps).to(device, dtype)
+                report = measure(step_function(path, model, training, args.clients, device, dtype), args.steps,
+                                 device, args.top)
+            except Exception as exc:  # report and go on: one failing path must not hide the others
+                print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                failed = True
+                continue
+            print(f"{label}: {report}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
