@@ -1,10 +1,10 @@
 """The cohort pass (strategies/cohort_pass.py) for updates that are torch tensors on a device.
 
-When the local engine trains on a GPU, the clients' Δ_k stay there: copying ten model-sized
-updates to the host and reducing them with numpy each round costs more than the arithmetic.
-Here each block's updates are stacked into one (K_c, size) float64 tensor and the same sums
-are taken with a few reductions; only the scalars and θ − step cross to the host. The sums are
-the numpy pass's up to float64 summation order (tests/test_cohort_pass.py runs both).
+When the local engine trains on a GPU, the clients' Δ_k stay there, sparing each round ten
+model-sized copies to the host and the numpy pass over them. Here each block's updates are
+stacked into one (K_c, size) float64 tensor and the same sums are taken with a few reductions;
+only the scalars and θ − step cross to the host. The sums are the numpy pass's up to float64
+summation order (tests/test_device_pass.py runs both).
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ TrainCohort = Callable[[list[int], int, list[np.ndarray], int | None, float], tu
 
 def resident_on(device: torch.device) -> bool:
     """Whether θ and the Δ_k stay on ``device`` through the round (``ClientTask(resident=...)``):
-    on a GPU, where copying ten model-sized updates to the host each round and reducing them
-    with numpy would cost more than the reduction on the device."""
+    on a GPU, to spare each round ten model-sized copies to the host and the numpy pass over them
+    (``benchmarks/gpu_timing.py --residency both`` measures both ways). On a CPU the numpy pass
+    is the faster (docs/cpu/gpu_timing-residency-cpu.log)."""
     return device.type == "cuda"
 
 
