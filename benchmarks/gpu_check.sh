@@ -96,14 +96,15 @@ step "data" 30 "$PY" -c "$DATA_PY" "$DATA_DIR"
 step "tests/test_cuda.py" 150 "$PY" tests/test_cuda.py
 if [[ $SMOKE == 1 ]]; then
     step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cpu --steps 1 --clients 2 \
-        --paths sequential vectorised --top 3
+        --paths sequential vectorised --top 3 --cudnn-benchmark
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
         --concurrent 2
     step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
         --data-dir "$DATA_DIR" --paths vectorised --precisions float32 --residency both
 else
     # one bs-32 step of each path: wall time against the GPU's kernel time, and the costliest kernels
-    step "benchmarks/step_profile.py" 90 "$PY" benchmarks/step_profile.py --device cuda --precision float32 tf32
+    step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cuda --precision float32 tf32 \
+        --cudnn-benchmark --steps 15
     # --budget-s skips the configurations left once 150 s have passed; --config-cap-s ends one
     # configuration's timed rounds after 10 s (at least one round is timed).
     step "benchmarks/gpu_timing.py" 300 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \

@@ -6,10 +6,13 @@ graph (``clients.cuda_graphs``) — prints the wall milliseconds per step (steps
 back, synchronised once) and, from ``torch.profiler`` over the same steps, the device time per
 step summed over kernels, the kernels launched per step and the most expensive kernels. When
 the device time is close to the wall time the step is bound by the GPU's kernels; when it is
-far below, by the CPU issuing them (which CUDA graphs remove). Synthetic CIFAR-shaped batches:
-the timing does not depend on the pixels.
+far below, by the CPU issuing them (which CUDA graphs remove). ``--cudnn-benchmark`` measures
+each path again with cuDNN's autotuner choosing the convolution algorithms (the engine leaves it
+off: under float32's deterministic setting it picks among deterministic algorithms only, but its
+choice may differ from run to run). Synthetic CIFAR-shaped batches: the timing does not depend on
+the pixels.
 
-    python benchmarks/step_profile.py --device cuda --precision float32 tf32
+    python benchmarks/step_profile.py --device cuda --precision float32 tf32 --cudnn-benchmark
     python benchmarks/step_profile.py --device cpu --steps 2 --clients 2   # a CPU check of the script
 """
 
@@ -43,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed and profiled steps per path")
     parser.add_argument("--top", type=int, default=6, help="kernels listed per path")
     parser.add_argument("--skip-padding-taps", action="store_true")
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="each path again with cuDNN's autotuner on (the engine leaves it off), side by side")
     return parser.parse_args(argv)
 
 
@@ -111,19 +116,23 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype = compute_setup(cfg)
         training = LocalTraining(epochs=1, batch_size=args.batch_size, lr=0.01, bf16=precision == "bf16")
         for path in args.paths:
-            label = f"{precision:8s} {path:10s} ({device.type})"
-            if path.endswith("graphs") and device.type != "cuda":
-                print(f"{label}: skipped (CUDA graphs need a CUDA device)", flush=True)
-                continue
-            try:
-                model = build_model(args.model, args.skip_padding_taps).to(device, dtype)
-                report = measure(step_function(path, model, training, args.clients, device, dtype), args.steps,
-                                 device, args.top)
-            except Exception as exc:  # report and go on: one failing path must not hide the others
-                print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
-                failed = True
-                continue
-            print(f"{label}: {report}", flush=True)
+            for autotune in (False, True) if args.cudnn_benchmark else (False,):
+                label = f"{precision:8s} {path:10s} ({device.type}{', cudnn.benchmark' if autotune else ''})"
+                if path.endswith("graphs") and device.type != "cuda":
+                    print(f"{label}: skipped (CUDA graphs need a CUDA device)", flush=True)
+                    continue
+                torch.backends.cudnn.benchmark = autotune
+                try:
+                    model = build_model(args.model, args.skip_padding_taps).to(device, dtype)
+                    report = measure(step_function(path, model, training, args.clients, device, dtype),
+                                     args.steps, device, args.top)
+                except Exception as exc:  # report and go on: one failing path must not hide the others
+                    print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                    failed = True
+                    continue
+                finally:
+                    torch.backends.cudnn.benchmark = False
+                print(f"{label}: {report}", flush=True)
     return 1 if failed else 0
 
 
