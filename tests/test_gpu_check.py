@@ -89,4 +89,4 @@ def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
     assert "SKIPPED (no CUDA device)" in out
     assert "PROJECTION from measured rounds" in out and "projection float32  vectorised" in out
     assert "float32  vectorised full-tau1 : host / device-resident seconds per round = " in out
-    assert out.rstrip().endswith("=== gpu_check: all steps passed")
+    assert done.stdout.rstrip().endswith("=== gpu_check: all steps passed")
