@@ -98,7 +98,7 @@ if [[ $SMOKE == 1 ]]; then
     step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cpu --steps 1 --clients 2 \
         --paths sequential vectorised --top 3 --cudnn-benchmark
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
-        --concurrent 2
+        --concurrent 2 --eval-batch-sizes 100
     step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
         --data-dir "$DATA_DIR" --paths vectorised --precisions float32 --residency both
 else
@@ -108,7 +108,7 @@ else
     # --budget-s skips the configurations left once 150 s have passed; --config-cap-s ends one
     # configuration's timed rounds after 10 s (at least one round is timed).
     step "benchmarks/gpu_timing.py" 300 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths vec-graphs vectorised graphs sequential --budget-s 150 --config-cap-s 10 \
+        --paths vec-graphs vectorised graphs sequential --budget-s 150 --config-cap-s 10 --eval-batch-sizes 2500 \
         --concurrent 4 --concurrent-path vec-graphs
     # the server step on the device against the host's numpy pass, side by side, where it weighs most
     step "benchmarks/gpu_timing.py --residency both" 90 "$PY" benchmarks/gpu_timing.py --device cuda \

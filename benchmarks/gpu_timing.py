@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the path --concurrent times (float32)")
     parser.add_argument("--skip-padding-taps", action="store_true",
                         help="every configuration with skip-padding-taps = true (convolutions skip padding-only taps)")
+    parser.add_argument("--eval-batch-sizes", nargs="*", type=int, default=[],
+                        help=f"also time the evaluation at these eval-batch-size values (the projection uses "
+                             f"{EVAL_BATCH}, the default)")
     parser.add_argument("--residency", choices=tuple(RESIDENCIES), default="engine",
                         help="where the replies' Δ_k are reduced: as the engine does (on a GPU: on the device), "
                              "device, host (numpy), or both side by side with their ratio")
@@ -218,7 +221,7 @@ def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int, c
                   statistics.median(server_seconds))
 
 
-def time_evaluation(cfg: RunConfig, test_images: int) -> float:
+def time_evaluation(cfg: RunConfig, test_images: int, batch: int = EVAL_BATCH) -> float:
     """Median seconds of one evaluation pass (forward only, as fedmask_app.run.evaluation) over
     ``test_images`` synthetic images."""
     device, dtype = compute_setup(cfg)
@@ -230,8 +233,8 @@ def time_evaluation(cfg: RunConfig, test_images: int) -> float:
         for _ in range(3):
             sync(device)
             started = time.perf_counter()
-            for start in range(0, test_images, EVAL_BATCH):
-                model(images[start : start + EVAL_BATCH]).argmax(1)
+            for start in range(0, test_images, batch):
+                model(images[start : start + batch]).argmax(1)
             sync(device)
             seconds.append(time.perf_counter() - started)
     del model, images
@@ -357,8 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         for precision in args.precisions:
             eval_cfg = run_config_from_values({**base, "precision": precision})
             eval_seconds[precision] = time_evaluation(eval_cfg, args.test_images)
-            print(f"{precision:8s} evaluation of {args.test_images} images: {eval_seconds[precision]:.3f} s",
-                  flush=True)
+            print(f"{precision:8s} evaluation of {args.test_images} images: {eval_seconds[precision]:.3f} s "
+                  f"(eval-batch-size {EVAL_BATCH})", flush=True)
+            for batch in args.eval_batch_sizes:
+                print(f"{precision:8s} evaluation of {args.test_images} images: "
+                      f"{time_evaluation(eval_cfg, args.test_images, batch):.3f} s (eval-batch-size {batch})",
+                      flush=True)
             for path, _, graphs in (p for p in PATHS if p[0] in args.paths):
                 if graphs and device.type != "cuda":
                     print(f"{precision:8s} {path:10s}: skipped (CUDA graphs need a CUDA device)", flush=True)
