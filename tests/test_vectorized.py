@@ -83,7 +83,7 @@ def test_cohort_step_on_persistent_buffers_is_the_eager_step(batch_size):
     model = _small_model().double()
     training = LocalTraining(epochs=2, batch_size=batch_size, lr=0.05)
     step = CudaGraphCohortStep(model, training, capture=False)
-    for sizes in (SIZES, (8, 8, 8), (12, 8, 8)):
+    for sizes in (SIZES, (8, 8, 8), (12, 8, 8), (8, 8)):  # the last: a new cohort size, new buffers
         shards = _shards(sizes, torch.float64)
         for round_seed in (0, 1):
             torch.manual_seed(round_seed)
