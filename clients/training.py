@@ -36,16 +36,24 @@ class LocalResult:
     train_loss: float  # mean loss over the examples seen during local training
 
 
+def as_tensor(value) -> torch.Tensor:
+    """A tensor as it is, or an array as a tensor sharing its memory. Read-only arrays (views over
+    a message's bytes, a checkpoint's) are accepted without torch's warning: callers only read them."""
+    if isinstance(value, torch.Tensor):
+        return value
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.as_tensor(np.asarray(value))
+
+
 def load_parameters(model: nn.Module, params: Sequence) -> None:
     """Copy ``params`` (numpy arrays or tensors, in ``model.parameters()`` order) into the model in place."""
     model_params = list(model.parameters())
     if len(params) != len(model_params):
         raise ValueError(f"got {len(params)} parameter tensors, the model has {len(model_params)}")
-    with torch.no_grad(), warnings.catch_warnings():
-        # Read-only arrays (views over a message's bytes) are only read here.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    with torch.no_grad():
         for p, value in zip(model_params, params, strict=True):
-            p.copy_(torch.as_tensor(value), non_blocking=True)
+            p.copy_(as_tensor(value), non_blocking=True)
 
 
 class SGDStep:

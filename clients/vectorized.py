@@ -21,7 +21,6 @@ buffers (running statistics) are refused.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from clients.training import LocalResult, LocalTraining
+from clients.training import LocalResult, LocalTraining, as_tensor
 
 Params = dict[str, torch.Tensor]
 
@@ -95,9 +94,7 @@ def _theta(model: nn.Module, global_params: Sequence) -> list[torch.Tensor]:
     """θ cast to the model's parameter dtypes and device, checked against its shapes."""
     theta = []
     for (name, p), value in zip(model.named_parameters(), global_params, strict=True):
-        with warnings.catch_warnings():  # read-only arrays (views over a message's bytes) are only read
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            t = torch.as_tensor(value).to(device=p.device, dtype=p.dtype)
+        t = as_tensor(value).to(device=p.device, dtype=p.dtype)
         if t.shape != p.shape:
             raise ValueError(f"parameter {name}: got shape {tuple(t.shape)}, the model has {tuple(p.shape)}")
         theta.append(t)

@@ -9,13 +9,14 @@ summation order (tests/test_device_pass.py runs both).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from clients.training import as_tensor
 
 if TYPE_CHECKING:
     from strategies.cohort_pass import ServerStep
@@ -40,9 +41,7 @@ def tensor_device(updates: Sequence[Sequence]) -> torch.device | None:
 
 
 def _flat64(block, device: torch.device) -> torch.Tensor:
-    with warnings.catch_warnings():  # read-only arrays (a faulty client's copy, a message's bytes) are only read
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.as_tensor(block).reshape(-1).to(device, torch.float64)
+    return as_tensor(block).reshape(-1).to(device, torch.float64)
 
 
 @torch.no_grad()

@@ -142,7 +142,6 @@ def test_a_worker_that_dies_is_named_and_the_pool_cleans_up(tmp_path):
     assert our_segments() <= before
 
 
-
 @pytest.mark.slow
 def test_ctrl_c_stops_fedmask_local_with_a_message_and_no_leftovers(tmp_path):
     """SIGINT to the whole process group (as a terminal's Ctrl-C): the engine and its workers stop,

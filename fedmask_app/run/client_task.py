@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 
 import numpy as np
 import torch
@@ -16,7 +15,7 @@ import torch
 from clients.cuda_graphs import CudaGraphCohortStep, CudaGraphStep
 from clients.masking import client_block_mask
 from clients.seeds import batch_order_seed
-from clients.training import LocalTraining, local_update
+from clients.training import LocalTraining, as_tensor, local_update
 from clients.vectorized import vectorized_local_updates
 from fedmask_app.run.config import FaultInjection, RunConfig
 from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
@@ -136,9 +135,7 @@ class ClientTask:
 
     def on_device(self, params: list[np.ndarray]) -> list[torch.Tensor]:
         """θ as tensors on this task's device: copied there once a round, not once per client."""
-        with warnings.catch_warnings():  # read-only arrays (a checkpoint's, a message's) are only read
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return [torch.as_tensor(np.asarray(p)).to(self.device) for p in params]
+        return [as_tensor(p).to(self.device) for p in params]
 
     def _update(self, tensors: list[torch.Tensor]) -> list:
         return [t.detach() for t in tensors] if self.resident else [_on_host(t) for t in tensors]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from clients.seeds import MEASUREMENT, PROBE, derive_seed
+from clients.training import as_tensor
 from fedmask_app.measure.curvature import measure_curvature
 from fedmask_app.measure.flatness import measure_flatness
 from fedmask_app.run.config import RunConfig
@@ -70,8 +71,7 @@ class RoundMeasurements:
 
     def _tensors(self, arrays: Sequence) -> list[torch.Tensor]:
         """numpy arrays or tensors (Δ_k left on a GPU by the local engine) on the measurement's device."""
-        return [(a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))).to(self.device, self.dtype)
-                for a in arrays]
+        return [as_tensor(a).to(self.device, self.dtype) for a in arrays]
 
     def curvature_due(self, server_round: int) -> bool:
         every = self.cfg.curvature_every
