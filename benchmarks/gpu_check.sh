@@ -2,7 +2,7 @@
 # The GPU check, run as is on a bare GPU machine from a copy of the repo tree (no install, no
 # network, no flwr/ray): python3 with torch, torchvision, numpy, pandas, filelock; PYTHONPATH=.
 #
-#   bash benchmarks/gpu_check.sh                # on the GPU machine: under 8 minutes on one H200
+#   bash benchmarks/gpu_check.sh                # on the GPU machine: about 8 minutes on one H200
 #   bash benchmarks/gpu_check.sh --cpu-smoke    # the same steps, tiny, on a CPU (about a minute)
 #
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
@@ -10,9 +10,10 @@
 # (control, repetition, CUDA graphs against eager, device-resident against host rounds, CUDA-vs-CPU
 # drift), 4 benchmarks/step_profile.py (one bs-32 step per path: wall against kernel time, the
 # costliest kernels), 5 benchmarks/gpu_timing.py (rounds per cell, precision and path, each split
-# into training and server step; the protocol's projected time; then 4 runs sharing the GPU at
-# once, vectorised with CUDA graphs), 6 the server step on the device against numpy on the host, 7 the bs-32 cell
-# again with skip-padding-taps.
+# into training and server step; the protocol's projected time): float32 on five paths, then tf32
+# and bf16 on the two replayed cohort paths (client streams with CUDA graphs, vectorised with CUDA
+# graphs), 6 the server step on the device against numpy on the host, 7 the bs-32 cell again with
+# skip-padding-taps.
 # Every step runs, each under a time limit; the exit status is 1 when one failed.
 # GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
 
@@ -34,7 +35,7 @@ modules = ["fedmask_app.engines.local", "fedmask_app.run.client_task", "fedmask_
            "fedmask_app.run.measurements", "fedmask_app.run.loop", "clients.training", "clients.vectorized",
            "clients.masking", "clients.seeds", "strategies.aggregate", "strategies.cohort", "strategies.round",
            "strategies.stats", "strategies.server_step", "strategies.cohort_pass", "strategies.device_pass",
-           "clients.cuda_graphs"]
+           "clients.cuda_graphs", "clients.streams"]
 for name in modules:
     importlib.import_module(name)
 pulled = sorted(m for m in sys.modules if m.split(".")[0] in ("flwr", "ray"))
@@ -105,19 +106,23 @@ else
     # one bs-32 step of each path: wall time against the GPU's kernel time, and the costliest kernels
     step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cuda --precision float32 tf32 \
         --cudnn-benchmark --steps 15
-    # --budget-s skips the configurations left once 150 s have passed; --config-cap-s ends one
-    # configuration's timed rounds after 10 s (at least one round is timed).
-    step "benchmarks/gpu_timing.py" 300 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths vec-graphs vectorised graphs sequential --budget-s 150 --config-cap-s 10 --eval-batch-sizes 2500 \
-        --concurrent 4 --concurrent-path vec-graphs
+    # --budget-s skips the configurations left once that many seconds have passed; --config-cap-s ends
+    # one configuration's timed rounds after that many seconds (at least one round is timed).
+    # float32 (the default precision): every cohort path, new first, with the sequential baseline
+    step "benchmarks/gpu_timing.py float32" 240 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --paths streams-graphs vec-graphs streams vectorised sequential --precisions float32 --budget-s 150 \
+        --config-cap-s 8 --eval-batch-sizes 2500
+    # tf32 and bf16 on the two replayed cohort paths
+    step "benchmarks/gpu_timing.py tf32 bf16" 150 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --paths streams-graphs vec-graphs --precisions tf32 bf16 --budget-s 70 --config-cap-s 6
     # the server step on the device against the host's numpy pass, side by side, where it weighs most
     step "benchmarks/gpu_timing.py --residency both" 90 "$PY" benchmarks/gpu_timing.py --device cuda \
         --data-dir "$DATA_DIR" --paths vectorised --cells bs128-tau1 full-tau1 --precisions tf32 \
-        --residency both --budget-s 50 --config-cap-s 5 --test-images 2000
-    # skip-padding-taps on the launch-bound cell, the vectorised paths (compare with the lines above)
-    step "benchmarks/gpu_timing.py --skip-padding-taps" 120 "$PY" benchmarks/gpu_timing.py --device cuda \
-        --data-dir "$DATA_DIR" --cells bs32-tau2 --paths vec-graphs vectorised --precisions float32 tf32 \
-        --budget-s 50 --config-cap-s 8 --skip-padding-taps --test-images 2000
+        --residency both --budget-s 30 --config-cap-s 4 --test-images 2000
+    # skip-padding-taps on the launch-bound cell (compare with the float32 lines above)
+    step "benchmarks/gpu_timing.py --skip-padding-taps" 100 "$PY" benchmarks/gpu_timing.py --device cuda \
+        --data-dir "$DATA_DIR" --cells bs32-tau2 --paths streams-graphs vec-graphs --precisions float32 \
+        --budget-s 40 --config-cap-s 6 --skip-padding-taps --test-images 2000
 fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "=== gpu_check: FAILED steps: ${FAILED[*]}"

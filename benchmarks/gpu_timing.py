@@ -2,8 +2,10 @@
 
 Times the local engine's round (``fedmask_app.engines.local.local_train_round``: the cohort's
 local training, sequential, vectorised (``vectorize``), sequential with each full minibatch's
-step replayed from a CUDA graph (``cuda-graphs``: path "graphs") or vectorised with each full
-cohort step replayed ("vec-graphs"), then aggregation and the statistics; each line splits
+step replayed from a CUDA graph (``cuda-graphs``: path "graphs"), vectorised with each full
+cohort step replayed ("vec-graphs"), or sequential clients side by side on a CUDA stream each
+(``client-streams`` = K_c: "streams", and with each replica's step replayed: "streams-graphs"),
+then aggregation and the statistics; each line splits
 the round into the training and the server step after it; ``--residency both`` times each
 configuration with the replies' Δ_k reduced on the device and on the host, side by side)
 for the paper's cells bs 32 τ 2, bs 128 τ 1 and full batch τ 1, in each precision (float32,
@@ -54,9 +56,9 @@ from fedmask_app.run.model import MODELS, build_model, initial_parameters
 
 CELLS = (("bs32-tau2", 32, 2), ("bs128-tau1", 128, 1), ("full-tau1", "full", 1))
 PRECISIONS = ("float32", "tf32", "bf16")
-# (name, vectorize, cuda-graphs)
-PATHS = (("sequential", False, False), ("vectorised", True, False), ("graphs", False, True),
-         ("vec-graphs", True, True))
+# (name, vectorize, cuda-graphs, client streams: one per client of the cohort)
+PATHS = (("sequential", False, False, False), ("vectorised", True, False, False), ("graphs", False, True, False),
+         ("vec-graphs", True, True, False), ("streams", False, False, True), ("streams-graphs", False, True, True))
 # --residency: (name, ClientTask resident) pairs timed per configuration; None: as the engine does
 RESIDENCIES = {"engine": (("engine", None),), "device": (("device", True),), "host": (("host", False),),
                "both": (("device", True), ("host", False))}
@@ -169,8 +171,9 @@ def wait_at_barrier(folder: str, name: str, count: int, timeout_s: float = 120.0
 
 def config_values(base: dict, precision: str, path: str, bs: int | str, tau: int) -> dict:
     """Run-config values of one timed configuration: ``base`` with a precision, a path of PATHS and a cell."""
-    _, vectorize, graphs = next(p for p in PATHS if p[0] == path)
-    return {**base, "precision": precision, "vectorize": vectorize, "cuda-graphs": graphs, "batch-size": bs,
+    _, vectorize, graphs, streams = next(p for p in PATHS if p[0] == path)
+    return {**base, "precision": precision, "vectorize": vectorize, "cuda-graphs": graphs,
+            "client-streams": base["clients-per-round"] if streams else 1, "batch-size": bs,
             "local-epochs": tau}
 
 
@@ -267,14 +270,14 @@ def print_projection(results: dict, eval_seconds: dict, test_images: int) -> Non
           f"(bs 32 at τ 2, bs 128 and full at τ 1), plus its measured server step and one evaluation of "
           f"{TEST_IMAGES} test images per round; "
           "runs one after another on this one device. Grid 2's non-IID cells have unequal n_k: the vectorised "
-          "path pays the cohort's largest shard, so α = 0.1 costs more than projected there.")
+          "and streams paths wait for the cohort's largest shard, so α = 0.1 costs more than projected there.")
     eval_scale = TEST_IMAGES / test_images
     for (precision, path), timings in results.items():
         if len(timings) < len(CELLS):
-            print(f"projection {precision:8s} {path:17s}: incomplete (a cell failed or was skipped)")
+            print(f"projection {precision:8s} {path:21s}: incomplete (a cell failed or was skipped)")
             continue
         grid1, grid2 = protocol_hours(timings, eval_seconds.get(precision, 0.0), eval_scale)
-        print(f"projection {precision:8s} {path:17s}: grid 1 {grid1:7.2f} h + grid 2 extra {grid2:6.2f} h = "
+        print(f"projection {precision:8s} {path:21s}: grid 1 {grid1:7.2f} h + grid 2 extra {grid2:6.2f} h = "
               f"{grid1 + grid2:7.2f} h of device time")
 
 
@@ -366,15 +369,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{precision:8s} evaluation of {args.test_images} images: "
                       f"{time_evaluation(eval_cfg, args.test_images, batch):.3f} s (eval-batch-size {batch})",
                       flush=True)
-            for path, _, graphs in (p for p in PATHS if p[0] in args.paths):
-                if graphs and device.type != "cuda":
-                    print(f"{precision:8s} {path:10s}: skipped (CUDA graphs need a CUDA device)", flush=True)
+            for path, _, graphs, streams in sorted((p for p in PATHS if p[0] in args.paths),
+                                                   key=lambda p: args.paths.index(p[0])):  # in the order given
+                if (graphs or streams) and device.type != "cuda":
+                    print(f"{precision:8s} {path:14s}: skipped (CUDA graphs and streams need a CUDA device)",
+                          flush=True)
                     continue
                 for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
                     measured = {}
                     for residency, resident in RESIDENCIES[args.residency]:
                         name = path if args.residency != "both" else f"{path}/{residency}"
-                        label = f"{precision:8s} {name:{10 if args.residency != 'both' else 17}s} {cell:10s}"
+                        label = f"{precision:8s} {name:{14 if args.residency != 'both' else 21}s} {cell:10s}"
                         if args.budget_s and time.perf_counter() - started > args.budget_s:
                             print(f"{label}: skipped (past --budget-s {args.budget_s:g})", flush=True)
                             continue
@@ -384,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                         if timing is not None:
                             results.setdefault((precision, name), {})[bs] = measured[residency] = timing
                     if len(measured) == 2:
-                        print(f"{precision:8s} {path:10s} {cell:10s}: host / device-resident seconds per round = "
+                        print(f"{precision:8s} {path:14s} {cell:10s}: host / device-resident seconds per round = "
                               f"{measured['host'].seconds / measured['device'].seconds:.2f}x", flush=True)
         print_projection(results, eval_seconds, args.test_images)
         if args.concurrent:

@@ -1,12 +1,15 @@
 """Where one training step's time goes: wall time against the device's busy time, and the kernels.
 
 For each path — one client's SGD step (``clients.training.SGDStep``), the vectorised cohort step
-(``clients.vectorized.CohortStep``: K_c clients at once) and, on CUDA, each replayed from a CUDA
-graph (``clients.cuda_graphs``) — prints the wall milliseconds per step (steps issued back to
-back, synchronised once) and, from ``torch.profiler`` over the same steps, the device time per
-step summed over kernels, the kernels launched per step and the most expensive kernels. When
+(``clients.vectorized.CohortStep``: K_c clients at once), on CUDA each replayed from a CUDA graph
+(``clients.cuda_graphs``), and on CUDA K_c clients' steps issued side by side on a stream each
+(``clients.streams.StreamedClients``: "streams", with graphs "streams-graphs") — prints the wall
+milliseconds per step (steps issued back to back, synchronised once) and, from
+``torch.profiler`` over the same steps, the device time per step summed over kernels, the
+kernels launched per step and the most expensive kernels. When
 the device time is close to the wall time the step is bound by the GPU's kernels; when it is
-far below, by the CPU issuing them (which CUDA graphs remove). ``--cudnn-benchmark`` measures
+far below, by the CPU issuing them (which CUDA graphs remove). On the streams paths kernels of
+different clients overlap, so their sum may pass the wall time. ``--cudnn-benchmark`` measures
 each path again with cuDNN's autotuner choosing the convolution algorithms (the engine leaves it
 off: under float32's deterministic setting it picks among deterministic algorithms only, but its
 choice may differ from run to run). Synthetic CIFAR-shaped batches: the timing does not depend on
@@ -26,13 +29,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from clients.cuda_graphs import CudaGraphCohortStep, CudaGraphStep
+from clients.streams import StreamedClients
 from clients.training import LocalTraining, SGDStep
 from clients.vectorized import CohortStep
 from fedmask_app.run.config import run_config_from_values
 from fedmask_app.run.device import compute_setup
 from fedmask_app.run.model import MODELS, build_model
 
-PATHS = ("sequential", "graphs", "vectorised", "vec-graphs")
+PATHS = ("sequential", "graphs", "vectorised", "vec-graphs", "streams", "streams-graphs")
+COHORT_PATHS = ("vectorised", "vec-graphs", "streams", "streams-graphs")  # a step: every client's step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--model", choices=MODELS, default="resnet18-gn")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--clients", type=int, default=10, help="K_c of the vectorised step")
+    parser.add_argument("--clients", type=int, default=10, help="K_c of the vectorised and streams steps")
     parser.add_argument("--steps", type=int, default=20, help="timed and profiled steps per path")
     parser.add_argument("--top", type=int, default=6, help="kernels listed per path")
     parser.add_argument("--skip-padding-taps", action="store_true")
@@ -60,6 +65,8 @@ def step_function(path: str, model: torch.nn.Module, training: LocalTraining, cl
         labels = torch.randint(0, 10, (training.batch_size,), generator=gen).to(device)
         step = CudaGraphStep(model, training) if path == "graphs" else SGDStep(model, training)
         return lambda: step(images, labels)
+    if path.startswith("streams"):
+        return streams_step(path, model, training, clients, device, dtype, gen)
     images = torch.randn(clients, training.batch_size, 3, 32, 32, generator=gen).to(device, dtype)
     labels = torch.randint(0, 10, (clients, training.batch_size), generator=gen).to(device)
     weights = torch.ones(clients, training.batch_size, device=device)
@@ -67,6 +74,22 @@ def step_function(path: str, model: torch.nn.Module, training: LocalTraining, cl
     step = CudaGraphCohortStep(model, training) if path == "vec-graphs" else CohortStep(model, training)
     stacked = step.stacked_params([p.detach() for p in model.parameters()], clients)
     return lambda: step(stacked, None, images, labels, weights, counts)
+
+
+def streams_step(path: str, model: torch.nn.Module, training: LocalTraining, clients: int, device: torch.device,
+                 dtype: torch.dtype, gen: torch.Generator) -> Callable[[], object]:
+    """Each of ``clients`` replicas takes one step on its own stream, as client-streams trains them."""
+    make_step = (lambda replica: CudaGraphStep(replica, training)) if path == "streams-graphs" else None
+    streamed = StreamedClients(model, training, clients, make_step)
+    batches = [(torch.randn(training.batch_size, 3, 32, 32, generator=gen).to(device, dtype),
+                torch.randint(0, 10, (training.batch_size,), generator=gen).to(device)) for _ in range(clients)]
+
+    def run() -> None:
+        for stream, step, (images, labels) in zip(streamed.streams, streamed.steps, batches, strict=True):
+            with torch.cuda.stream(stream):
+                step(images, labels)
+
+    return run
 
 
 def sync(device: torch.device) -> None:
@@ -108,8 +131,9 @@ def measure(run_step: Callable[[], object], steps: int, device: torch.device, to
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(f"# step_profile: {args.model}, bs {args.batch_size}, K_c {args.clients} (vectorised), {args.steps} steps "
-          f"per path, torch {torch.__version__}, skip-padding-taps {args.skip_padding_taps}", flush=True)
+    print(f"# step_profile: {args.model}, bs {args.batch_size}, K_c {args.clients} (a step of "
+          f"{', '.join(COHORT_PATHS)}: every client's step), {args.steps} steps per path, "
+          f"torch {torch.__version__}, skip-padding-taps {args.skip_padding_taps}", flush=True)
     failed = False
     for precision in args.precision:
         cfg = run_config_from_values({"device": args.device, "precision": precision, "model": args.model})
@@ -117,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         training = LocalTraining(epochs=1, batch_size=args.batch_size, lr=0.01, bf16=precision == "bf16")
         for path in args.paths:
             for autotune in (False, True) if args.cudnn_benchmark else (False,):
-                label = f"{precision:8s} {path:10s} ({device.type}{', cudnn.benchmark' if autotune else ''})"
-                if path.endswith("graphs") and device.type != "cuda":
-                    print(f"{label}: skipped (CUDA graphs need a CUDA device)", flush=True)
+                label = f"{precision:8s} {path:14s} ({device.type}{', cudnn.benchmark' if autotune else ''})"
+                if (path.endswith("graphs") or path.startswith("streams")) and device.type != "cuda":
+                    print(f"{label}: skipped (CUDA graphs and streams need a CUDA device)", flush=True)
                     continue
                 torch.backends.cudnn.benchmark = autotune
                 try:

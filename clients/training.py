@@ -81,6 +81,29 @@ class SGDStep:
         return loss.detach()
 
 
+def epoch_orders(num_examples: int, epochs: int, generator: torch.Generator) -> torch.Tensor:
+    """The shard's visiting order, one ``torch.randperm(n_k, generator=generator)`` per epoch: (τ, n_k)."""
+    return torch.stack([torch.randperm(num_examples, generator=generator) for _ in range(epochs)])
+
+
+def train_steps(
+    images: torch.Tensor, labels: torch.Tensor, orders: torch.Tensor, batch_size: int | None,
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Every SGD step of local training: per epoch (a row of ``orders``), batches
+    ``order[start:start + bs]``. Returns Σ loss × batch size over the steps, a tensor on the
+    device: nothing here waits for the GPU."""
+    n = len(labels)
+    batch = n if batch_size is None else batch_size
+    loss_sum = torch.zeros((), device=images.device)
+    for order in orders:
+        for start in range(0, n, batch):
+            idx = order[start : start + batch]
+            loss = step(images[idx], labels[idx])
+            loss_sum += loss.float() * len(idx)
+    return loss_sum
+
+
 def local_update(
     model: nn.Module,
     global_params: Sequence,
@@ -102,17 +125,9 @@ def local_update(
     load_parameters(model, global_params)
     theta = [p.detach().clone() for p in model.parameters()]
     n = len(labels)
-    batch = n if training.batch_size is None else training.batch_size
-    step = step or SGDStep(model, training)
+    orders = epoch_orders(n, training.epochs, generator).to(images.device)
     model.train()
-    loss_sum, seen = torch.zeros((), device=images.device), 0
-    for _ in range(training.epochs):
-        order = torch.randperm(n, generator=generator).to(images.device)
-        for start in range(0, n, batch):
-            idx = order[start : start + batch]
-            loss = step(images[idx], labels[idx])
-            loss_sum += loss.float() * len(idx)
-            seen += len(idx)
+    loss_sum = train_steps(images, labels, orders, training.batch_size, step or SGDStep(model, training))
     with torch.no_grad():
         if out is None:
             update = [t0 - p for t0, p in zip(theta, model.parameters(), strict=True)]
@@ -123,4 +138,4 @@ def local_update(
                     torch.sub(t0, p, out=target)
                 else:
                     target.copy_(t0 - p)
-    return LocalResult(update=update, num_examples=n, train_loss=float(loss_sum) / seen)
+    return LocalResult(update=update, num_examples=n, train_loss=float(loss_sum) / (training.epochs * n))

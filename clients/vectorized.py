@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from clients.training import LocalResult, LocalTraining, as_tensor
+from clients.training import LocalResult, LocalTraining, as_tensor, epoch_orders
 
 Params = dict[str, torch.Tensor]
 
@@ -47,11 +47,8 @@ class _Step:
 def batch_orders(num_examples: int, training: LocalTraining, generator: torch.Generator) -> list[torch.Tensor]:
     """A client's minibatches (indices into its shard), in the order ``local_update`` visits them."""
     batch = num_examples if training.batch_size is None else training.batch_size
-    batches = []
-    for _ in range(training.epochs):
-        order = torch.randperm(num_examples, generator=generator)
-        batches.extend(order[start : start + batch] for start in range(0, num_examples, batch))
-    return batches
+    return [order[start : start + batch] for order in epoch_orders(num_examples, training.epochs, generator)
+            for start in range(0, num_examples, batch)]
 
 
 def cohort_schedule(schedules: list[list[torch.Tensor]], offsets: list[int], device: torch.device) -> list[_Step]:
@@ -90,7 +87,7 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def _theta(model: nn.Module, global_params: Sequence) -> list[torch.Tensor]:
+def model_theta(model: nn.Module, global_params: Sequence) -> list[torch.Tensor]:
     """θ cast to the model's parameter dtypes and device, checked against its shapes."""
     theta = []
     for (name, p), value in zip(model.named_parameters(), global_params, strict=True):
@@ -165,7 +162,7 @@ def vectorized_local_updates(
         raise ValueError("every shard needs at least one example")
     _check_model(model)
     step = step or CohortStep(model, training, chunk_size)
-    theta = _theta(model, global_params)
+    theta = model_theta(model, global_params)
     stacked = step.stacked_params(theta, len(shards))
     device = theta[0].device
     sizes = [len(labels) for _, labels in shards]

@@ -1,7 +1,8 @@
 """The local engine on CUDA (skipped without a CUDA device): the identical-shards control, bitwise
-repetition (sequential, vectorised, CUDA graphs), CUDA graphs against the eager step, rounds
-reduced on the device against rounds reduced on the host, and how far CUDA's numbers lie from
-the CPU's (printed: a measurement, not a bound).
+repetition (sequential, vectorised, CUDA graphs, client streams), CUDA graphs against the eager
+step, client streams against one client at a time, rounds reduced on the device against rounds
+reduced on the host, and how far CUDA's numbers lie from the CPU's (printed: a measurement, not a
+bound).
 
 Small configurations (20 clients, 4 a round, shards of 64 images, 200 test images) on the data
 in $FEDMASK_GPU_DATA_DIR, else ``.gpu-data/`` (the subset benchmarks/gpu_subset.py writes), else
@@ -71,7 +72,8 @@ def run(out: Path, name: str, **values) -> tuple[pd.DataFrame, list[np.ndarray]]
 
 
 PATHS = {"sequential": {}, "vectorised": {"vectorize": True}, "graphs": {"cuda-graphs": True},
-         "vectorised-graphs": {"vectorize": True, "cuda-graphs": True}, "live-taps": {"skip-padding-taps": True}}
+         "vectorised-graphs": {"vectorize": True, "cuda-graphs": True}, "live-taps": {"skip-padding-taps": True},
+         "streams": {"client-streams": 3}, "streams-graphs": {"client-streams": 3, "cuda-graphs": True}}
 
 
 def test_identical_shards_control_gives_the_ceiling_on_cuda(tmp_path: Path) -> None:
@@ -101,6 +103,22 @@ def test_the_same_seed_twice_gives_identical_rows_on_cuda(tmp_path: Path) -> Non
         timing = [c for c in a.columns if c.endswith("seconds")]
         pd.testing.assert_frame_equal(a.drop(columns=timing), b.drop(columns=timing), check_exact=True)
         assert all(np.array_equal(x, y) for x, y in zip(theta_a, theta_b, strict=True)), path
+
+
+def test_client_streams_give_the_sequential_rows(tmp_path: Path) -> None:
+    """client-streams = 3 (4 clients a round: one replica trains two) runs each client's own
+    kernels, side by side: the rows and θ of the one-by-one path, eager and with CUDA graphs.
+    Prints how far they lie apart, then asserts bitwise equality."""
+    for graphs in (False, True):
+        common = {"num-rounds": 3, "max-shard-size": 80, "cuda-graphs": graphs}  # 2 full batches + 16
+        (one, theta_one), (side, theta_side) = (
+            run(tmp_path, f"streams{n}-graphs{int(graphs)}", **common, **{"client-streams": n}) for n in (1, 3)
+        )
+        label = f"client-streams 3 vs 1{' (cuda-graphs)' if graphs else ''}"
+        compare_runs(label, (one, theta_one), (side, theta_side), 1e-6)
+        timing = [c for c in one.columns if c.endswith("seconds")]
+        pd.testing.assert_frame_equal(one.drop(columns=timing), side.drop(columns=timing), check_exact=True)
+        assert all(np.array_equal(x, y) for x, y in zip(theta_one, theta_side, strict=True)), label
 
 
 def test_device_resident_rounds_are_the_host_rounds(tmp_path: Path) -> None:
@@ -175,6 +193,7 @@ TESTS: tuple[Callable[[Path], None], ...] = (
     test_identical_shards_control_gives_the_ceiling_on_cuda,
     test_the_same_seed_twice_gives_identical_rows_on_cuda,
     test_cuda_graphs_replay_the_eager_step,
+    test_client_streams_give_the_sequential_rows,
     test_device_resident_rounds_are_the_host_rounds,
     test_cuda_and_cpu_rows_differ_by,
 )

@@ -3,9 +3,9 @@
 Same cohort sampling, client code, statistics, aggregation, evaluation and results writer as
 the Flower app; only the transport differs: clients are called one after another in-process,
 with the model and the data resident on the device (on a GPU θ and the Δ_k too: the server
-step reduces them there), or trained in worker processes on the CPU (``client-processes``,
-engines/client_pool.py). Importing this module imports neither
-flwr nor ray.
+step reduces them there), side by side on CUDA streams (``client-streams``, clients/streams.py),
+or trained in worker processes on the CPU (``client-processes``, engines/client_pool.py).
+Importing this module imports neither flwr nor ray.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from strategies.round import RoundOutcome, finish_round
 
 ENGINE = "local"
 VECTORIZED_ENGINE = "local-vectorized"
+STREAMS_ENGINE = "local-streams"
 
 # (cohort, round, θ, synchronized mask seed, keep-prob) -> (replies in cohort order, failure lines)
 TrainCohort = Callable[[list[int], int, list[np.ndarray], int | None, float], tuple[list[ClientReply], list[str]]]
@@ -69,9 +70,30 @@ def vectorized(task: ClientTask) -> TrainCohort:
     return train_cohort
 
 
+def side_by_side(task: ClientTask) -> TrainCohort:
+    """The cohort's clients on ``client-streams`` CUDA streams at once; a client that raises is
+    left out, as in ``one_by_one``."""
+
+    def train_cohort(cohort, server_round, params, sync_seed, keep_prob):
+        if task.resident:
+            params = task.on_device(params)
+        return task.train_streamed(cohort, server_round, params, sync_seed, keep_prob)
+
+    return train_cohort
+
+
 def in_process(cfg: RunConfig, task: ClientTask) -> TrainCohort:
-    """``cfg``'s in-process way to train a cohort with ``task``: vectorised or one by one."""
-    return vectorized(task) if cfg.vectorize else one_by_one(task)
+    """``cfg``'s in-process way to train a cohort with ``task``: vectorised, on streams, or one by one."""
+    if cfg.vectorize:
+        return vectorized(task)
+    return side_by_side(task) if cfg.client_streams > 1 else one_by_one(task)
+
+
+def engine_name(cfg: RunConfig) -> str:
+    """What config.json calls this run's engine."""
+    if cfg.vectorize:
+        return VECTORIZED_ENGINE
+    return STREAMS_ENGINE if cfg.client_streams > 1 else ENGINE
 
 
 def in_client_processes(cfg: RunConfig, stack: contextlib.ExitStack) -> TrainCohort:
@@ -114,7 +136,10 @@ def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.nd
         raise ValueError("inject-fault 'hang' needs the Flower engine: an in-process client cannot time out")
     if cfg.vectorize and cfg.inject_fault:
         raise ValueError("inject-fault needs vectorize = false: the vectorised cohort step trains all clients at once")
-    engine = VECTORIZED_ENGINE if cfg.vectorize else ENGINE
+    if cfg.client_streams > 1 and pick_device(cfg).type != "cuda":
+        raise ValueError(f"client-streams = {cfg.client_streams} needs a CUDA device; this run would train on "
+                         f"{pick_device(cfg)} (set client-streams = 1)")
+    engine = engine_name(cfg)
     with contextlib.ExitStack() as stack:
         if pool_size(cfg) > 1:  # client-processes = 0 on one CPU trains in this process
             if pick_device(cfg).type != "cpu":

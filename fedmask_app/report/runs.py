@@ -31,12 +31,13 @@ KEYS = ("bs", "tau", "alpha")
 META_COLUMNS = ("run", "run_name", "bs", "tau", "K_c", "engine", "shard_min", "shard_max")
 # Run-config keys that do not define a cell: the seed (the cell's median runs across it) and the
 # keys that only say where or how a run executes, not what it measures.
-# (vectorize: the vectorised cohort step equals the sequential one; cuda-graphs: the same step
-# replayed from a CUDA graph; skip-padding-taps: the same function, computed without the taps
-# that read zero padding; curvature-every / flatness-every: how often the server measures, not what.)
+# (vectorize: the vectorised cohort step equals the sequential one; client-streams: the sequential
+# clients' steps, several at once; cuda-graphs: the same step replayed from a CUDA graph;
+# skip-padding-taps: the same function, computed without the taps that read zero padding;
+# curvature-every / flatness-every: how often the server measures, not what.)
 NOT_CELL_KEYS = frozenset({
-    "seed", "run-name", "output-dir", "resume", "data-dir", "device", "threads", "client-processes", "checkpoint-every",
-    "eval-batch-size", "eval-every", "round-timeout", "min-clients", "fast-simulation", "vectorize",
+    "seed", "run-name", "output-dir", "resume", "data-dir", "device", "threads", "client-processes", "client-streams",
+    "checkpoint-every", "eval-batch-size", "eval-every", "round-timeout", "min-clients", "fast-simulation", "vectorize",
     "cuda-graphs", "skip-padding-taps", "curvature-every", "flatness-every",
 })
 # Values of run-config keys that older runs lack: what such a run did (each key came with a default

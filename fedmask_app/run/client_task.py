@@ -15,6 +15,7 @@ import torch
 from clients.cuda_graphs import CudaGraphCohortStep, CudaGraphStep
 from clients.masking import client_block_mask
 from clients.seeds import batch_order_seed
+from clients.streams import StreamedClients
 from clients.training import LocalTraining, as_tensor, local_update
 from clients.vectorized import vectorized_local_updates
 from fedmask_app.run.config import FaultInjection, RunConfig
@@ -72,6 +73,11 @@ class ClientTask:
         graphs, vectorize = cfg.cuda_graphs, cfg.vectorize
         self._step = CudaGraphStep(self.model, local_training(cfg)) if graphs and not vectorize else None
         self._cohort_step = CudaGraphCohortStep(self.model, local_training(cfg)) if graphs and vectorize else None
+        self._streamed = (
+            StreamedClients(self.model, local_training(cfg), cfg.client_streams,
+                            (lambda replica: CudaGraphStep(replica, local_training(cfg))) if graphs else None)
+            if cfg.client_streams > 1 else None
+        )
 
     @functools.cached_property
     def _partition(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -132,6 +138,34 @@ class ClientTask:
             self._reply(pid, server_round, sync_seed, keep_prob, r.num_examples, r.train_loss, self._update(r.update))
             for pid, r in zip(partition_ids, results, strict=True)
         ]
+
+    def train_streamed(
+        self, partition_ids: list[int], server_round: int, global_params: list, sync_seed: int | None,
+        keep_prob: float | None = None,
+    ) -> tuple[list[ClientReply], list[str]]:
+        """The cohort's clients side by side on ``client-streams`` CUDA streams (clients/streams.py):
+        the replies ``train`` gives, in cohort order, and a line for each client that raised."""
+        if self._streamed is None:
+            raise ValueError("train_streamed needs client-streams > 1")
+        trained, failures = [], []
+        for pid in partition_ids:
+            fault = self.cfg.fault_for(pid, server_round)
+            try:
+                if fault:
+                    _raise_or_hang(fault, self.cfg.round_timeout)
+            except InjectedFault as exc:  # left out, as one_by_one leaves out a client that raises
+                failures.append(f"partition {pid}: {type(exc).__name__}: {exc}")
+                continue
+            trained.append(pid)
+        shards = [self.shard(pid) for pid in trained]
+        generators = [self._batch_order(server_round, pid) for pid in trained]
+        results = self._streamed.local_updates(global_params, shards, generators) if trained else []
+        replies = []
+        for pid, r in zip(trained, results, strict=True):
+            fault = self.cfg.fault_for(pid, server_round)
+            update = _corrupt(fault, [_on_host(block) for block in r.update]) if fault else self._update(r.update)
+            replies.append(self._reply(pid, server_round, sync_seed, keep_prob, r.num_examples, r.train_loss, update))
+        return replies, failures
 
     def on_device(self, params: list[np.ndarray]) -> list[torch.Tensor]:
         """θ as tensors on this task's device: copied there once a round, not once per client."""

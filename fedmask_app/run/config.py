@@ -76,6 +76,7 @@ class RunConfig:
     precision: str
     threads: int
     client_processes: int
+    client_streams: int
     fast_simulation: bool
     vectorize: bool
     cuda_graphs: bool
@@ -152,6 +153,13 @@ class RunConfig:
             self.client_processes == 1 or not (self.vectorize or self.device == "cuda"), "client-processes",
             self.client_processes, "1 with vectorize = true or device = 'cuda' (client processes train on the CPU, "
             "one client at a time each)",
+        )
+        _require(self.client_streams >= 1, "client-streams", self.client_streams,
+                 "an integer >= 1 (1: one client at a time)")
+        _require(
+            self.client_streams == 1 or not (self.vectorize or self.device == "cpu"), "client-streams",
+            self.client_streams, "1 with vectorize = true or device = 'cpu' (streams train clients side by side on "
+            "a GPU; the vectorised step already trains the whole cohort at once)",
         )
         _require(
             1 <= self.min_clients <= self.clients_per_round, "min-clients", self.min_clients,
@@ -261,6 +269,11 @@ def refuse_local_engine_keys(cfg: RunConfig) -> None:
         raise ConfigError(
             f"client-processes = {cfg.client_processes} is a local-engine key (fedmask-local): the Flower engine "
             "trains as many clients at once as its backend's client resources allow (num-cpus); set it to 1"
+        )
+    if cfg.client_streams != 1:
+        raise ConfigError(
+            f"client-streams = {cfg.client_streams} is a local-engine key (fedmask-local): the Flower engine "
+            "trains each client in its own ClientApp call; set it to 1"
         )
     if cfg.vectorize:
         raise ConfigError("vectorize = true is a local-engine key (fedmask-local): the Flower engine trains "
