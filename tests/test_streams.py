@@ -78,7 +78,7 @@ def test_bad_stream_counts_and_engines_are_refused_by_name():
 def test_the_local_engine_refuses_streams_without_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(local, "pick_device", lambda _cfg: torch.device("cpu"))
     cfg = run_config_from_values({"client-streams": 4, "output-dir": str(tmp_path)})
-    with pytest.raises(ValueError, match=r"client-streams = 4 needs a CUDA device; this run would train on cpu"):
+    with pytest.raises(ConfigError, match=r"client-streams = 4 needs a CUDA device; this run would train on cpu"):
         run_local(cfg, echo=lambda _: None)
 
 
@@ -108,3 +108,18 @@ def test_a_streamed_run_writes_the_one_by_one_runs_rows(tmp_path, resident):
     assert all(np.array_equal(a, b) for a, b in zip(theta_one, theta_two, strict=True))
     shards = pd.read_csv(tmp_path / "streams2" / "shards.csv")["num_examples"]
     assert shards.min() < 40 and (shards % 16 != 0).any()  # unequal shards, partial last batches
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (["client-streams=3"], "client-streams = 3 needs a CUDA device"),
+    (["inject-fault='hang:1:1'"], "inject-fault 'hang' needs the Flower engine"),
+    (["vectorize=true", "inject-fault='nan:1:1'"], "inject-fault needs vectorize = false"),
+])
+def test_fedmask_local_refuses_what_it_cannot_run_here_by_name(tmp_path, monkeypatch, capsys, values, message):
+    """Exit status 2, the reason on stderr, no traceback and no results folder."""
+    from fedmask_app.cli import local as cli
+
+    monkeypatch.setattr(local, "pick_device", lambda _cfg: torch.device("cpu"))
+    assert cli.main([*values, f"output-dir='{tmp_path}'", "run-name='refused'"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()

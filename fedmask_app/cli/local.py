@@ -20,11 +20,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from fedmask_app.engines.client_pool import ClientPoolError
     from fedmask_app.engines.local import run_local
+    from fedmask_app.run.config import ConfigError
     from fedmask_app.run.results import ResultsError
     from strategies.round import RoundFailed
 
     try:
         run_local(cfg)
+    except ConfigError as exc:  # what this engine cannot carry out here (the values themselves were valid)
+        print(f"fedmask-local: {exc}", file=sys.stderr)
+        return 2
     except (RoundFailed, ResultsError, ClientPoolError) as exc:
         print(f"fedmask-local: {exc}", file=sys.stderr)
         return 1

@@ -20,7 +20,7 @@ from clients.masking import coordinate_mask_seeds
 from clients.seeds import synchronized_mask_seed
 from fedmask_app.engines.client_pool import ClientPool, pool_size, worker_threads
 from fedmask_app.run.client_task import ClientTask
-from fedmask_app.run.config import RunConfig
+from fedmask_app.run.config import ConfigError, RunConfig
 from fedmask_app.run.device import pick_device
 from fedmask_app.run.loop import TrainRound, run_rounds
 from strategies.aggregate import ClientReply, ServerLr
@@ -131,19 +131,20 @@ def local_train_round(cfg: RunConfig, train_cohort: TrainCohort) -> TrainRound:
 
 def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.ndarray]:
     """Run ``cfg`` to the end in this process (its clients in worker processes with
-    ``client-processes`` > 1) and return the final global parameters."""
+    ``client-processes`` > 1) and return the final global parameters. A configuration this engine
+    cannot carry out on this machine raises ``ConfigError`` before anything is written."""
     if any(f.kind == "hang" for f in cfg.fault_injections()):
-        raise ValueError("inject-fault 'hang' needs the Flower engine: an in-process client cannot time out")
+        raise ConfigError("inject-fault 'hang' needs the Flower engine: an in-process client cannot time out")
     if cfg.vectorize and cfg.inject_fault:
-        raise ValueError("inject-fault needs vectorize = false: the vectorised cohort step trains all clients at once")
+        raise ConfigError("inject-fault needs vectorize = false: the vectorised cohort step trains all clients at once")
     if cfg.client_streams > 1 and pick_device(cfg).type != "cuda":
-        raise ValueError(f"client-streams = {cfg.client_streams} needs a CUDA device; this run would train on "
+        raise ConfigError(f"client-streams = {cfg.client_streams} needs a CUDA device; this run would train on "
                          f"{pick_device(cfg)} (set client-streams = 1)")
     engine = engine_name(cfg)
     with contextlib.ExitStack() as stack:
         if pool_size(cfg) > 1:  # client-processes = 0 on one CPU trains in this process
             if pick_device(cfg).type != "cpu":
-                raise ValueError("client-processes needs the CPU: set device = 'cpu' or client-processes = 1")
+                raise ConfigError("client-processes needs the CPU: set device = 'cpu' or client-processes = 1")
             train_cohort = in_client_processes(cfg, stack)
             processes = pool_size(cfg)
             echo(f"[fedmask] clients train in {processes} processes of {worker_threads(cfg, processes)} torch "
