@@ -33,16 +33,18 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, params: list[np.ndarray]) -> tuple[float, float]:
-        """(test loss, test accuracy)."""
+        """(test loss, test accuracy). The sums stay on the device until the end (one wait for a GPU,
+        not two a batch); the loss adds each batch's sum in float64, in batch order."""
         load_parameters(self.model, params)
         self.model.eval()
-        loss_sum, correct = 0.0, 0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)
         for start in range(0, len(self.labels), self.cfg.eval_batch_size):
             x = self.images[start : start + self.cfg.eval_batch_size]
             y = self.labels[start : start + self.cfg.eval_batch_size]
             logits = self.model(x)
-            loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
+            loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").double()
+            correct += (logits.argmax(1) == y).sum()
         n = len(self.labels)
-        loss = loss_sum / n
-        return (loss if math.isfinite(loss) else float("nan")), correct / n
+        loss = loss_sum.item() / n
+        return (loss if math.isfinite(loss) else float("nan")), correct.item() / n
