@@ -7,13 +7,14 @@
 #
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
-# (control, repetition, CUDA graphs against eager, device-resident against host rounds, CUDA-vs-CPU
-# drift), 4 benchmarks/step_profile.py (one bs-32 step per path: wall against kernel time, the
-# costliest kernels), 5 benchmarks/gpu_timing.py (rounds per cell, precision and path, each split
-# into training and server step; the protocol's projected time): float32 on five paths, then tf32
-# and bf16 on the two replayed cohort paths (client streams with CUDA graphs, vectorised with CUDA
-# graphs), 6 the server step on the device against numpy on the host, 7 the bs-32 cell again with
-# skip-padding-taps.
+# (control, repetition, CUDA graphs against eager, client streams against one by one, device-resident
+# against host rounds, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py in float32 (rounds per cell and
+# path, each split into training and server step; the protocol's projected time; the evaluation; 2
+# and 4 runs in threads of one process), 5 the same in tf32 and bf16 on the two replayed cohort
+# paths (client streams and vectorised, with CUDA graphs), 6 benchmarks/step_profile.py (one bs-32
+# step per path: wall against kernel time, the costliest kernels), 7 the server step on the device
+# against numpy on the host, 8 the bs-32 cell again with skip-padding-taps. The order is by weight:
+# when the call's time runs out, the tail is what is lost.
 # Every step runs, each under a time limit; the exit status is 1 when one failed.
 # GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
 
@@ -99,30 +100,32 @@ if [[ $SMOKE == 1 ]]; then
     step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cpu --steps 1 --clients 2 \
         --paths sequential vectorised --top 3 --cudnn-benchmark
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
-        --concurrent 2 --eval-batch-sizes 100
+        --concurrent 2 --threaded 2 --eval-batch-sizes 100
     step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
         --data-dir "$DATA_DIR" --paths vectorised --precisions float32 --residency both
 else
-    # one bs-32 step of each path: wall time against the GPU's kernel time, and the costliest kernels
-    step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cuda --precision float32 tf32 \
-        --cudnn-benchmark --steps 15
+    # Most decisive first: if the call's time runs out, the tail is what is lost.
     # --budget-s skips the configurations left once that many seconds have passed; --config-cap-s ends
     # one configuration's timed rounds after that many seconds (at least one round is timed).
-    # float32 (the default precision): every cohort path, new first, with the sequential baseline
-    step "benchmarks/gpu_timing.py float32" 240 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths streams-graphs vec-graphs streams vectorised sequential --precisions float32 --budget-s 150 \
-        --config-cap-s 8 --eval-batch-sizes 2500
+    # float32 (the default precision): the cohort paths, new first, the sequential baseline, the
+    # evaluation at another batch size, then 2 and 4 runs in threads of one process on streams-graphs
+    step "benchmarks/gpu_timing.py float32" 270 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --paths streams-graphs vec-graphs streams sequential vectorised --precisions float32 --budget-s 140 \
+        --config-cap-s 6 --eval-batch-sizes 2500 --threaded 2 4 --concurrent-path streams-graphs
     # tf32 and bf16 on the two replayed cohort paths
-    step "benchmarks/gpu_timing.py tf32 bf16" 150 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths streams-graphs vec-graphs --precisions tf32 bf16 --budget-s 70 --config-cap-s 6
+    step "benchmarks/gpu_timing.py tf32 bf16" 120 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --paths streams-graphs vec-graphs --precisions tf32 bf16 --budget-s 60 --config-cap-s 5
+    # one bs-32 step of each path: wall time against the GPU's kernel time, and the costliest kernels
+    step "benchmarks/step_profile.py" 90 "$PY" benchmarks/step_profile.py --device cuda --precision float32 \
+        --cudnn-benchmark --steps 10
     # the server step on the device against the host's numpy pass, side by side, where it weighs most
-    step "benchmarks/gpu_timing.py --residency both" 90 "$PY" benchmarks/gpu_timing.py --device cuda \
+    step "benchmarks/gpu_timing.py --residency both" 60 "$PY" benchmarks/gpu_timing.py --device cuda \
         --data-dir "$DATA_DIR" --paths vectorised --cells bs128-tau1 full-tau1 --precisions tf32 \
-        --residency both --budget-s 30 --config-cap-s 4 --test-images 2000
+        --residency both --budget-s 20 --config-cap-s 4 --test-images 2000
     # skip-padding-taps on the launch-bound cell (compare with the float32 lines above)
-    step "benchmarks/gpu_timing.py --skip-padding-taps" 100 "$PY" benchmarks/gpu_timing.py --device cuda \
+    step "benchmarks/gpu_timing.py --skip-padding-taps" 60 "$PY" benchmarks/gpu_timing.py --device cuda \
         --data-dir "$DATA_DIR" --cells bs32-tau2 --paths streams-graphs vec-graphs --precisions float32 \
-        --budget-s 40 --config-cap-s 6 --skip-padding-taps --test-images 2000
+        --budget-s 25 --config-cap-s 5 --skip-padding-taps --test-images 2000
 fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "=== gpu_check: FAILED steps: ${FAILED[*]}"

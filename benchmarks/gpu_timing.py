@@ -21,6 +21,10 @@ cells × 3 seeds × 200 rounds, K_c = 10 clients of 500 images a round; a cell's
 its batch size's measured images/s applied to 10 · 500 · τ images, i.e. linear in τ from the
 measured τ, plus one test-set evaluation per round.
 
+``--threaded N ...`` runs N copies of one configuration in N threads of this process instead,
+each on a CUDA stream of its own: runs in separate processes take turns on a GPU (without MPS
+it time-slices between them), while kernels of one process's streams can run at the same time.
+
 ``--concurrent N ...`` also starts N copies of this script at once (float32, ``--concurrent-path``,
 the ``--concurrent-cells``, one after another with a barrier before each cell's timed rounds, so that their
 timed rounds overlap), as N runs of a sweep sharing one GPU would (``fedmask-sweep --ray-address
@@ -33,6 +37,7 @@ timed rounds overlap), as N runs of a sweep sharing one GPU would (``fedmask-swe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -40,7 +45,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,10 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--paths", nargs="+", choices=[p[0] for p in PATHS], default=[p[0] for p in PATHS])
     parser.add_argument("--concurrent", nargs="*", type=int, default=[],
                         help="also time N processes at once (float32, --concurrent-path), for each N given")
+    parser.add_argument("--threaded", nargs="*", type=int, default=[],
+                        help="also time N runs in N threads of this process, a CUDA stream each (float32, "
+                             "--concurrent-path), for each N given")
     parser.add_argument("--concurrent-cells", nargs="+", choices=[c[0] for c in CELLS], default=["bs32-tau2"],
-                        help="the cells --concurrent times (default: bs32-tau2, the launch-bound one)")
+                        help="the cells --concurrent and --threaded time (default: bs32-tau2, the launch-bound one)")
     parser.add_argument("--concurrent-path", choices=[p[0] for p in PATHS], default="sequential",
-                        help="the path --concurrent times (float32)")
+                        help="the path --concurrent and --threaded time (float32)")
     parser.add_argument("--skip-padding-taps", action="store_true",
                         help="every configuration with skip-padding-taps = true (convolutions skip padding-only taps)")
     parser.add_argument("--eval-batch-sizes", nargs="*", type=int, default=[],
@@ -116,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="a CPU check of the script, not a timing: linear-softmax, 2 clients × 16 images, 1 round")
     args = parser.parse_args(argv)
+    if args.threaded and args.warmup < 1:
+        parser.error("--threaded needs --warmup >= 1: CUDA graphs are captured in the warm-up, one thread at a time")
     if args.quick:
         args.clients, args.samples, args.warmup, args.rounds, args.test_images = 2, 16, 1, 1, 200
     args.model = args.model or ("linear-softmax" if args.quick else pyproject_defaults()["model"])
@@ -155,8 +167,9 @@ def base_values(args: argparse.Namespace, scratch: Path) -> tuple[dict, dict[int
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the current stream (the local engine joins every stream it uses into it)."""
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream(device).synchronize()
 
 
 def wait_at_barrier(folder: str, name: str, count: int, timeout_s: float = 120.0) -> None:
@@ -178,47 +191,58 @@ def config_values(base: dict, precision: str, path: str, bs: int | str, tau: int
 
 
 def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int, cap_s: float = 0.0,
-                barrier: tuple[str, str, int] = ("", "", 1), resident: bool | None = None) -> Timing:
+                before_timed: Callable[[], object] = lambda: None, resident: bool | None = None,
+                setup_lock: contextlib.AbstractContextManager | None = None) -> Timing:
     """Warm-up then timed rounds of the local engine's round for ``cfg``. Every shard is moved to the
     device first, as a long run has them all resident after its first rounds. With ``cap_s`` the
-    timed rounds stop once they have taken that long (at least one is timed); ``barrier`` (folder,
-    name, count) waits for the other processes before the timed rounds. ``resident``: whether the
-    replies' Δ_k stay tensors on the device (None: as the engine decides, ``resident_on``)."""
+    timed rounds stop once they have taken that long (at least one is timed). ``before_timed`` runs
+    between the warm-up and the timed rounds (a barrier with the other processes or threads);
+    ``setup_lock`` is held through the set-up and the warm-up (threads: one CUDA-graph capture at a
+    time, while the others wait). ``resident``: whether the replies' Δ_k stay tensors on the device
+    (None: as the engine decides, ``resident_on``). Waits for the device sync the current stream
+    only: with threads, each thread's own."""
     device = compute_setup(cfg)[0]
-    task = ClientTask(cfg, shards, resident=resident_on(device) if resident is None else resident)
-    for partition_id in range(cfg.num_clients):
-        task.shard(partition_id)
-    train_cohort = in_process(cfg, task)
     train_seconds: list[float] = []
-
-    def timed_train_cohort(*args):
-        sync(device)
-        started = time.perf_counter()
-        replies = train_cohort(*args)
-        sync(device)
-        train_seconds.append(time.perf_counter() - started)
-        return replies
-
-    train_round = local_train_round(cfg, timed_train_cohort)
-    params = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)]
     seconds, server_seconds, images = [], [], 0
-    for server_round in range(1, warmup + rounds + 1):
-        if server_round == warmup + 1:
-            wait_at_barrier(*barrier)
+    with setup_lock or contextlib.nullcontext():
+        task = ClientTask(cfg, shards, resident=resident_on(device) if resident is None else resident)
+        for partition_id in range(cfg.num_clients):
+            task.shard(partition_id)
+        train_cohort = in_process(cfg, task)
+
+        def timed_train_cohort(*args):
+            sync(device)
+            started = time.perf_counter()
+            replies = train_cohort(*args)
+            sync(device)
+            train_seconds.append(time.perf_counter() - started)
+            return replies
+
+        train_round = local_train_round(cfg, timed_train_cohort)
+        params = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)]
+
+        def timed_round(server_round: int) -> tuple[float, int]:
+            nonlocal params
+            sync(device)
+            started = time.perf_counter()
+            outcome = train_round(server_round, params, cfg.keep_prob, None)
+            sync(device)
+            if outcome.num_failures:
+                raise RuntimeError("; ".join(outcome.failures))
+            params = outcome.result.params
+            return time.perf_counter() - started, cfg.local_epochs * outcome.result.num_examples
+
+        for server_round in range(1, warmup + 1):
+            timed_round(server_round)
+    before_timed()
+    for server_round in range(warmup + 1, warmup + rounds + 1):
         if cap_s and seconds and sum(seconds) > cap_s:
             break
-        sync(device)
-        started = time.perf_counter()
-        outcome = train_round(server_round, params, cfg.keep_prob, None)
-        sync(device)
-        if outcome.num_failures:
-            raise RuntimeError("; ".join(outcome.failures))
-        params = outcome.result.params
-        if server_round > warmup:
-            seconds.append(time.perf_counter() - started)
-            server_seconds.append(seconds[-1] - train_seconds[-1])
-            images += cfg.local_epochs * outcome.result.num_examples
-    del task, outcome
+        round_seconds, round_images = timed_round(server_round)
+        seconds.append(round_seconds)
+        server_seconds.append(round_seconds - train_seconds[-1])
+        images += round_images
+    del task
     release_memory()
     return Timing(statistics.median(seconds), images / sum(seconds), statistics.median(train_seconds[warmup:]),
                   statistics.median(server_seconds))
@@ -282,11 +306,13 @@ def print_projection(results: dict, eval_seconds: dict, test_images: int) -> Non
 
 
 def run_configuration(values: dict, shards: dict | None, args: argparse.Namespace, label: str,
-                      barrier: tuple[str, str, int] = ("", "", 1), resident: bool | None = None) -> Timing | None:
+                      before_timed: Callable[[], object] = lambda: None, resident: bool | None = None,
+                      setup_lock: contextlib.AbstractContextManager | None = None) -> Timing | None:
     """Time one configuration and print its line; None when it failed."""
     try:
         cfg = run_config_from_values(values)
-        timing = time_rounds(cfg, shards, args.warmup, args.rounds, args.config_cap_s, barrier, resident)
+        timing = time_rounds(cfg, shards, args.warmup, args.rounds, args.config_cap_s, before_timed, resident,
+                             setup_lock)
     except Exception as exc:  # report and go on: one failing configuration must not hide the others
         print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
         release_memory()
@@ -305,7 +331,7 @@ def worker_main(args: argparse.Namespace) -> int:
         for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
             values = config_values(base, "float32", args.concurrent_path, bs, tau)
             timing = run_configuration(values, shards, args, f"  worker {cell}",
-                                       (args.barrier, cell, args.barrier_count))
+                                       lambda cell=cell: wait_at_barrier(args.barrier, cell, args.barrier_count))
             rates[cell] = timing.images_per_s if timing else None
     Path(args.worker_json).write_text(json.dumps(rates))
     return 0
@@ -344,6 +370,56 @@ def time_concurrent(args: argparse.Namespace, counts: list[int], single: dict) -
                 print(f"concurrent N={n:2d} {cell:10s}: {total:10.0f} images/s summed "
                       f"({min(per_process):.0f}-{max(per_process):.0f} per process), {gain}", flush=True)
             print(f"concurrent N={n:2d} took {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def threaded_timings(n: int, values: dict, shards: dict | None, args: argparse.Namespace, device: torch.device,
+                     cell: str) -> list[Timing | None]:
+    """``values`` timed in n threads at once, each on a CUDA stream of its own (see ``time_threaded``)."""
+    setup_lock, barrier = threading.Lock(), threading.Barrier(n, timeout=600)
+    timings: list[Timing | None] = [None] * n
+
+    def work(i: int) -> None:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            timings[i] = run_configuration(values, shards, args, f"  thread {i} {cell}", barrier.wait,
+                                           setup_lock=setup_lock)
+        if timings[i] is None:
+            barrier.abort()  # the others stop waiting for this one
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return timings
+
+
+def time_threaded(args: argparse.Namespace, counts: list[int], base: dict, shards: dict | None,
+                  single: dict) -> bool:
+    """N runs in N threads of this process per N in ``counts``, each on a CUDA stream of its own
+    (and its client streams): summed images/s per cell against one run's (``single``, as in
+    ``time_concurrent``). Set-up and warm-up rounds (where CUDA graphs are captured) go one thread
+    at a time; the timed rounds start together. Returns whether every thread's timing succeeded."""
+    device = compute_setup(run_config_from_values(base))[0]
+    print(f"\n# THREADED: N runs in N threads of this process (float32, {args.concurrent_path}, a CUDA stream each; "
+          "warm-up one at a time, timed rounds start together), the GPU shared within one process; summed images/s",
+          flush=True)
+    ok = True
+    for n in counts:
+        for cell, bs, tau in (c for c in CELLS if c[0] in args.concurrent_cells):
+            values = config_values(base, "float32", args.concurrent_path, bs, tau)
+            timings = threaded_timings(n, values, shards, args, device, cell)
+            if None in timings:
+                print(f"threaded N={n:2d} {cell:10s}: FAILED", flush=True)
+                ok = False
+                continue
+            total = sum(t.images_per_s for t in timings)
+            gain = f"{total / single[cell]:5.2f}x one run" if single.get(cell) else "no single-run rate"
+            print(f"threaded N={n:2d} {cell:10s}: {total:10.0f} images/s summed "
+                  f"({min(t.images_per_s for t in timings):.0f}-{max(t.images_per_s for t in timings):.0f} per run), "
+                  f"{gain}", flush=True)
+    release_memory()
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,10 +468,12 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{precision:8s} {path:14s} {cell:10s}: host / device-resident seconds per round = "
                               f"{measured['host'].seconds / measured['device'].seconds:.2f}x", flush=True)
         print_projection(results, eval_seconds, args.test_images)
+        single = results.get(("float32", args.concurrent_path), {})
+        single_rates = {c[0]: single[c[1]].images_per_s if c[1] in single else None for c in CELLS}
         if args.concurrent:
-            single = results.get(("float32", args.concurrent_path), {})
-            time_concurrent(args, args.concurrent,
-                            {c[0]: single[c[1]].images_per_s if c[1] in single else None for c in CELLS})
+            time_concurrent(args, args.concurrent, single_rates)
+        if args.threaded:
+            failed |= not time_threaded(args, args.threaded, base, shards, single_rates)
     print(f"# gpu_timing took {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
 

@@ -88,5 +88,7 @@ def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
     assert f"content sha256 {load_cifar10(subset_dir).sha256}" in out
     assert "SKIPPED (no CUDA device)" in out
     assert "PROJECTION from measured rounds" in out and "projection float32  vectorised" in out
-    assert "float32  vectorised full-tau1 : host / device-resident seconds per round = " in out
+    assert "float32  vectorised     full-tau1 : host / device-resident seconds per round = " in out
+    assert "concurrent N= 2 bs32-tau2 : " in out and "threaded N= 2 bs32-tau2 : " in out
+    assert "streams-graphs: skipped (CUDA graphs and streams need a CUDA device)" in out
     assert done.stdout.rstrip().endswith("=== gpu_check: all steps passed")
