@@ -69,14 +69,15 @@ class ClientTask:
         self.num_blocks = len(list(self.model.parameters()))
         self._given_shards = shard_arrays  # deployment: a device's own shard file
         self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # cuda-graphs: one captured step per process, reused by every client (or cohort) it trains
-        graphs, vectorize = cfg.cuda_graphs, cfg.vectorize
-        self._step = CudaGraphStep(self.model, local_training(cfg)) if graphs and not vectorize else None
+        # cuda-graphs: one captured step per process (per replica with client streams), reused by
+        # every client (or cohort) it trains
+        graphs, vectorize, streams = cfg.cuda_graphs, cfg.vectorize, cfg.client_streams > 1
+        self._step = CudaGraphStep(self.model, local_training(cfg)) if graphs and not (vectorize or streams) else None
         self._cohort_step = CudaGraphCohortStep(self.model, local_training(cfg)) if graphs and vectorize else None
         self._streamed = (
             StreamedClients(self.model, local_training(cfg), cfg.client_streams,
                             (lambda replica: CudaGraphStep(replica, local_training(cfg))) if graphs else None)
-            if cfg.client_streams > 1 else None
+            if streams else None
         )
 
     @functools.cached_property
