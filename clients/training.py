@@ -46,6 +46,11 @@ def as_tensor(value) -> torch.Tensor:
         return torch.as_tensor(np.asarray(value))
 
 
+def as_array(value) -> np.ndarray:
+    """An array as it is, or a tensor (on any device) copied to the host as a numpy array."""
+    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+
+
 def load_parameters(model: nn.Module, params: Sequence) -> None:
     """Copy ``params`` (numpy arrays or tensors, in ``model.parameters()`` order) into the model in place."""
     model_params = list(model.parameters())

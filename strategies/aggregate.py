@@ -51,14 +51,21 @@ def reply_problem(reply: ClientReply, shapes: Sequence[tuple[int, ...]], dtypes:
     for b, (block, shape, dtype) in enumerate(zip(reply.update, shapes, dtypes, strict=True)):
         if block.shape != tuple(shape):
             return f"array {b} has shape {block.shape}, expected {tuple(shape)}"
-        if _dtype_name(block) != np.dtype(dtype).name:
-            return f"array {b} has dtype {_dtype_name(block)}, expected {np.dtype(dtype).name}"
+        expected = _name(dtype)
+        if _dtype_name(block) != expected:
+            return f"array {b} has dtype {_dtype_name(block)}, expected {expected}"
     return None
 
 
 def _dtype_name(block) -> str:
     """'float32' for a numpy array and a torch tensor alike (the local engine keeps Δ_k on a GPU)."""
-    return str(block.dtype).removeprefix("torch.")
+    return _name(block.dtype)
+
+
+def _name(dtype) -> str:
+    """'float32' for numpy's and torch's float32 alike."""
+    text = str(dtype)
+    return text.removeprefix("torch.") if text.startswith("torch.") else np.dtype(dtype).name
 
 
 class NonFiniteUpdates(ValueError):
@@ -71,7 +78,7 @@ class NonFiniteUpdates(ValueError):
 
 @dataclass
 class CohortResult:
-    params: list[np.ndarray]
+    params: list  # θ after the step: numpy arrays, or tensors on the device when the Δ_k were there
     stats: dict[str, float]
     train_loss: float  # n_k-weighted mean of the clients' training losses
     num_examples: int

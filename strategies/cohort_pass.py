@@ -165,12 +165,12 @@ def _split_blocks(sizes: Sequence[int], parts: int) -> list[list[int]]:
 
 def reduce_cohort(
     updates: Sequence[Sequence], weights: Sequence[float], step: ServerStep | None = None, threads: int = 0
-) -> tuple[CohortSums, list[np.ndarray] | None]:
+) -> tuple[CohortSums, list | None]:
     """The cohort's sums and, when ``step`` is given, θ − step in θ's dtypes and shapes.
 
     ``updates[k]`` is client k's Δ_k as a list of arrays (one per parameter tensor), any float
-    dtype; everything is accumulated in float64. Updates that hold torch tensors are reduced on
-    their device (``strategies.device_pass``); θ − step still comes back as numpy arrays.
+    dtype; everything is accumulated in float64. Updates (or θ) that hold torch tensors are reduced
+    on their device (``strategies.device_pass``), and θ − step then stays there as tensors.
     ``threads`` share the blocks (0: all cores); neither θ nor the sums depend on it: each
     block's sums are added up in block order.
     """
@@ -186,7 +186,7 @@ def reduce_cohort(
                 raise ValueError("coordinate masks need block_coefs (the w_k / p of every client)")
             if len(step.coordinate_masks.seeds) != len(updates):
                 raise ValueError(f"{len(step.coordinate_masks.seeds)} mask seeds for {len(updates)} updates")
-    device = tensor_device(updates)
+    device = tensor_device(updates) or (tensor_device([step.params]) if step is not None else None)
     if device is not None:  # Δ_k left on the device by the local engine (strategies/device_pass.py)
         on_device, new_params = reduce_on_device(updates, weights, step, device)
         return _sums(weights, on_device.sq_norms, on_device.sq_norm_of_sum,

@@ -3,7 +3,8 @@
 When the local engine trains on a GPU, the clients' Δ_k stay there, sparing each round ten
 model-sized copies to the host and the numpy pass over them. Here each block's updates are
 stacked into one (K_c, size) float64 tensor and the same sums are taken with a few reductions;
-only the scalars and θ − step cross to the host. The sums are the numpy pass's up to float64
+θ − step stays on the device too (the next round, the evaluation and the measurements read it
+there), and only the scalars cross to the host. The sums are the numpy pass's up to float64
 summation order (tests/test_device_pass.py runs both).
 """
 
@@ -47,8 +48,9 @@ def _flat64(block, device: torch.device) -> torch.Tensor:
 @torch.no_grad()
 def reduce_on_device(
     updates: Sequence[Sequence], weights: Sequence[float], step: ServerStep | None, device: torch.device
-) -> tuple[DeviceSums, list[np.ndarray] | None]:
-    """The sums of ``reduce_cohort`` and, given ``step``, θ − step as numpy arrays in θ's dtypes.
+) -> tuple[DeviceSums, list[torch.Tensor] | None]:
+    """The sums of ``reduce_cohort`` and, given ``step``, θ − step as tensors on ``device`` in θ's
+    dtypes (θ itself may be numpy arrays or tensors).
 
     Blocks that are numpy arrays (a client whose update was corrupted on the host) are moved to
     ``device``; inputs are validated by ``reduce_cohort``.
@@ -57,7 +59,7 @@ def reduce_on_device(
     sq_norms = torch.zeros(len(updates), dtype=torch.float64, device=device)
     sq_norm_of_sum = torch.zeros((), dtype=torch.float64, device=device)
     sq_norm_of_weighted_sum = torch.zeros((), dtype=torch.float64, device=device)
-    new_params: list[np.ndarray] | None = None if step is None else []
+    new_params: list[torch.Tensor] | None = None if step is None else []
     for b in range(len(updates[0])):
         if len({int(np.prod(u[b].shape)) for u in updates}) > 1:
             raise ValueError(f"block {b} has different sizes across updates")
@@ -74,11 +76,12 @@ def reduce_on_device(
 
 
 def _server_step_block(step: ServerStep, b: int, stacked: torch.Tensor, total: torch.Tensor,
-                       weighted_total: torch.Tensor, w: torch.Tensor) -> np.ndarray:
-    """θ^(b) − step^(b) in float64, rounded once to θ's dtype (ServerStep says what the step is)."""
-    theta = np.asarray(step.params[b])
-    if theta.size != stacked.shape[1]:
-        raise ValueError(f"block {b}: θ has {theta.size} values, updates have {stacked.shape[1]}")
+                       weighted_total: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """θ^(b) − step^(b) in float64, rounded once to θ's dtype, on the updates' device (ServerStep
+    says what the step is)."""
+    theta = as_tensor(step.params[b])
+    if theta.numel() != stacked.shape[1]:
+        raise ValueError(f"block {b}: θ has {theta.numel()} values, updates have {stacked.shape[1]}")
     if step.block_coefs is not None:
         coefs = torch.tensor([c[b] for c in step.block_coefs], dtype=torch.float64, device=stacked.device)
         if step.coordinate_masks is not None:
@@ -89,5 +92,4 @@ def _server_step_block(step: ServerStep, b: int, stacked: torch.Tensor, total: t
         delta = weighted_total / w.sum()
     else:
         delta = total / stacked.shape[0]
-    rounded = (_flat64(theta, stacked.device) - delta).to(torch.from_numpy(np.empty(0, theta.dtype)).dtype)
-    return rounded.cpu().numpy().reshape(theta.shape)
+    return (_flat64(theta, stacked.device) - delta).to(theta.dtype).reshape(theta.shape)

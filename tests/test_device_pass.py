@@ -46,10 +46,10 @@ def _assert_same(torch_result, numpy_result, dtype):
     if n_params is None:
         assert t_params is None
         return
-    for got, want in zip(t_params, n_params, strict=True):
-        assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape
+    for got, want in zip(t_params, n_params, strict=True):  # θ − step stays on the updates' device
+        assert isinstance(got, torch.Tensor) and got.numpy().dtype == want.dtype and tuple(got.shape) == want.shape
         # float64 sums in another order, then one rounding to θ's dtype: at most one ulp apart
-        np.testing.assert_allclose(got, want, rtol=2.0 * np.finfo(dtype).eps, atol=0)
+        np.testing.assert_allclose(got.numpy(), want, rtol=2.0 * np.finfo(dtype).eps, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -67,6 +67,14 @@ def test_torch_updates_give_the_numpy_pass_results(dtype, step_kind):
                                        coordinate_masks=CoordinateMasks([11, 12, 13, 11, 14], 0.5)),
     }[step_kind]
     _assert_same(reduce_cohort(_on_torch(updates), weights, step), reduce_cohort(updates, weights, step), dtype)
+
+
+def test_theta_on_the_device_gives_the_host_thetas_step():
+    """From round 2 on the local engine's θ is the last pass's tensor output: the same step."""
+    updates, weights, theta = _cohort(4, seed=2)
+    on_device = [torch.from_numpy(t.copy()) for t in theta]
+    _assert_same(reduce_cohort(_on_torch(updates), weights, ServerStep(on_device)),
+                 reduce_cohort(updates, weights, ServerStep(theta)), np.float32)
 
 
 def test_numpy_and_torch_updates_mix():
@@ -143,6 +151,8 @@ def test_reply_problem_reads_torch_dtypes():
     assert reply_problem(reply, [(2,)], [np.dtype(np.float32)]) is None
     assert reply_problem(reply, [(2,)], [np.dtype(np.float64)]) == "array 0 has dtype float32, expected float64"
     assert reply_problem(reply, [(3,)], [np.dtype(np.float32)]) == "array 0 has shape torch.Size([2]), expected (3,)"
+    assert reply_problem(reply, [(2,)], [torch.float32]) is None  # θ itself on the device
+    assert reply_problem(reply, [(2,)], [torch.float64]) == "array 0 has dtype float32, expected float64"
 
 
 @pytest.mark.slow
@@ -150,26 +160,32 @@ def test_reply_problem_reads_torch_dtypes():
 def test_a_resident_local_run_writes_the_host_runs_rows(tmp_path, monkeypatch, vectorize):
     """The local engine with θ and Δ_k kept as tensors (as on a GPU; here CPU tensors, float64)
     against the same run with numpy replies: every statistic, the curvature measurements of
-    round 2 and θ after the last round agree to float64 rounding; the sequential run has a client
-    whose update is NaN and one that raises (vectorised runs refuse faults)."""
+    round 2, θ after the last round and the checkpoint agree to float64 rounding; from round 2 on
+    the resident run's θ is the device pass's tensor output; the sequential run has a client whose
+    update is NaN and one that raises (vectorised runs refuse faults)."""
     faults = "" if vectorize else (f"nan:{sample_cohort(0, 1, list(range(100)), 3)[1]}:1,"
                                    f"raise:{sample_cohort(0, 2, list(range(100)), 3)[0]}:2")
-    runs, device_passes = {}, []
+    runs, device_passes = {}, []  # per device pass with a step: whether θ came in as tensors
     reduce = cohort_pass.reduce_on_device
-    monkeypatch.setattr(cohort_pass, "reduce_on_device", lambda *a: device_passes.append(1) or reduce(*a))
+    monkeypatch.setattr(cohort_pass, "reduce_on_device",
+                        lambda *a: device_passes.append(isinstance(a[2].params[0], torch.Tensor)) or reduce(*a))
     for resident in (False, True):
         monkeypatch.setattr(local, "resident_on", lambda _device, resident=resident: resident)
         cfg = run_config_from_values({
             "num-clients": 100, "clients-per-round": 3, "num-rounds": 2, "local-epochs": 1, "batch-size": 32,
-            "max-shard-size": 64, "test-subset": 100, "checkpoint-every": 0, "mask-mode": "independent",
+            "max-shard-size": 64, "test-subset": 100, "checkpoint-every": 1, "mask-mode": "independent",
             "device": "cpu", "precision": "float64", "threads": 1, "vectorize": vectorize, "inject-fault": faults,
             "curvature-every": 2, "probe-size": 16, "curvature-probes": 2, "penalty-draws": 2,
             "data-dir": str(SHARED_DATA), "output-dir": str(tmp_path), "run-name": f"resident-{resident}",
         })
         params = local.run_local(cfg, echo=lambda _: None)
         runs[resident] = (pd.read_csv(cfg.run_dir / "rounds.csv"), params)
-    # only the resident run reduces on the device: a pass a round, and round 1's again without the NaN
-    assert len(device_passes) == (2 if vectorize else 3)
+        saved = torch.load(cfg.run_dir / "checkpoint.pt", weights_only=True)["params"]
+        assert isinstance(params[0], np.ndarray)  # run_local hands back host arrays
+        assert all(np.array_equal(t.numpy(), p) for t, p in zip(saved, params, strict=True))
+    # only the resident run reduces on the device: a pass a round, and round 1's again without the NaN;
+    # round 1 starts from the host's θ_0, round 2 from the tensors round 1's pass left on the device
+    assert device_passes == ([False, True] if vectorize else [False, False, True])
     (host, theta_host), (resident, theta_resident) = runs[False], runs[True]
     assert host["num_failures"].tolist() == ([0, 0] if vectorize else [1, 1])
     numeric = [c for c in host.columns if host[c].dtype.kind == "f" and not c.endswith("seconds")]

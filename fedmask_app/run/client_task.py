@@ -16,7 +16,7 @@ from clients.cuda_graphs import CudaGraphCohortStep, CudaGraphStep
 from clients.masking import client_block_mask
 from clients.seeds import batch_order_seed
 from clients.streams import StreamedClients
-from clients.training import LocalTraining, as_tensor, local_update
+from clients.training import LocalTraining, as_array, as_tensor, local_update
 from clients.vectorized import vectorized_local_updates
 from fedmask_app.run.config import FaultInjection, RunConfig
 from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
@@ -121,7 +121,7 @@ class ClientTask:
                               self._step)
         update = list(out) if out is not None else self._update(result.update)
         if fault:
-            update = _corrupt(fault, [_on_host(block) for block in update])
+            update = _corrupt(fault, [as_array(block) for block in update])
         return self._reply(partition_id, server_round, sync_seed, keep_prob, result.num_examples, result.train_loss,
                            update)
 
@@ -164,16 +164,17 @@ class ClientTask:
         replies = []
         for pid, r in zip(trained, results, strict=True):
             fault = self.cfg.fault_for(pid, server_round)
-            update = _corrupt(fault, [_on_host(block) for block in r.update]) if fault else self._update(r.update)
+            update = _corrupt(fault, [as_array(block) for block in r.update]) if fault else self._update(r.update)
             replies.append(self._reply(pid, server_round, sync_seed, keep_prob, r.num_examples, r.train_loss, update))
         return replies, failures
 
     def on_device(self, params: list[np.ndarray]) -> list[torch.Tensor]:
-        """θ as tensors on this task's device: copied there once a round, not once per client."""
+        """θ as tensors on this task's device, for every client of the round: copied there when it is
+        on the host (θ_0, a resumed θ); the device pass leaves each new θ there."""
         return [as_tensor(p).to(self.device) for p in params]
 
     def _update(self, tensors: list[torch.Tensor]) -> list:
-        return [t.detach() for t in tensors] if self.resident else [_on_host(t) for t in tensors]
+        return [t.detach() for t in tensors] if self.resident else [as_array(t) for t in tensors]
 
     def _batch_order(self, server_round: int, partition_id: int) -> torch.Generator:
         order_key = None if self.cfg.identical_shards else partition_id
@@ -188,10 +189,6 @@ class ClientTask:
             update=update,
             keep=client_mask(self.cfg, server_round, partition_id, sync_seed, self.num_blocks, keep_prob),
         )
-
-
-def _on_host(block) -> np.ndarray:
-    return block.detach().cpu().numpy() if isinstance(block, torch.Tensor) else block
 
 
 def _raise_or_hang(fault: FaultInjection, round_timeout: float) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from clients.training import as_array
 from fedmask_app.run.client_task import client_shards
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.data import dataset_sha256, load_cifar10, resolve_data_dir
@@ -92,4 +93,4 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
             results.save_checkpoint(server_round, params, schedule.state())
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     echo(f"[fedmask] done: {results.rounds_path} (peak RSS of this {engine} server process: {peak_mib:.0f} MiB)")
-    return params
+    return [as_array(p) for p in params]  # θ may live on the device (strategies/device_pass.py)

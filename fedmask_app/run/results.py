@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from clients.training import as_array
 from fedmask_app.run.config import PROJECT_ROOT, ConfigError, RunConfig, pyproject_defaults
 from fedmask_app.run.files import atomic_write, atomic_write_json
 from fedmask_app.run.schema import ALL_COLUMNS, CHECKPOINT_FILE, CONFIG_FILE, ROUNDS_FILE, SHARDS_FILE
@@ -175,10 +176,10 @@ class RunResults:
             f.flush()
             os.fsync(f.fileno())
 
-    def save_checkpoint(self, server_round: int, params: list[np.ndarray], state: dict | None = None) -> None:
+    def save_checkpoint(self, server_round: int, params: list, state: dict | None = None) -> None:
         """The global model after ``server_round`` and the schedule's state; every random draw is
         derived from (seed, round, partition id), so that is all a resume needs."""
-        state = {"round": server_round, "params": [torch.from_numpy(np.ascontiguousarray(p)) for p in params],
+        state = {"round": server_round, "params": [torch.from_numpy(np.ascontiguousarray(as_array(p))) for p in params],
                  "schedule": dict(state or {})}
         atomic_write(self.checkpoint_path, lambda f: torch.save(state, f))
 
