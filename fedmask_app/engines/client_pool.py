@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection, wait
 
 import numpy as np
 
-from fedmask_app.run.client_task import ClientTask
+from fedmask_app.run.client_task import ClientTask, failure_line
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.device import given_cpus
 from fedmask_app.run.shared_memory import (
@@ -205,7 +205,7 @@ def _train_jobs(task: ClientTask, theta: list[np.ndarray], replies: list[list[np
         try:
             reply = task.train(partition_id, server_round, theta, sync_seed, out=out, keep_prob=keep_prob)
         except Exception as exc:  # a failing client is left out, as in the sequential engine
-            conn.send((index, None, {}, f"partition {partition_id}: {type(exc).__name__}: {exc}"))
+            conn.send((index, None, {}, failure_line(partition_id, exc)))
             continue
         # arrays a fault put in place of the segment's views travel through the pipe
         replaced = {b: u for b, (u, a) in enumerate(zip(reply.update, out, strict=True)) if u is not a}

@@ -19,7 +19,7 @@ import torch
 from clients.masking import coordinate_mask_seeds
 from clients.seeds import synchronized_mask_seed
 from fedmask_app.engines.client_pool import ClientPool, pool_size, worker_threads
-from fedmask_app.run.client_task import ClientTask
+from fedmask_app.run.client_task import ClientTask, failure_line
 from fedmask_app.run.config import ConfigError, RunConfig
 from fedmask_app.run.device import pick_device
 from fedmask_app.run.loop import TrainRound, run_rounds
@@ -55,7 +55,7 @@ def one_by_one(task: ClientTask) -> TrainCohort:
             try:
                 replies.append(task.train(partition_id, server_round, params, sync_seed, keep_prob=keep_prob))
             except Exception as exc:
-                failures.append(f"partition {partition_id}: {type(exc).__name__}: {exc}")
+                failures.append(failure_line(partition_id, exc))
         return replies, failures
 
     return train_cohort
@@ -72,11 +72,9 @@ def vectorized(task: ClientTask) -> TrainCohort:
 
 def side_by_side(task: ClientTask) -> TrainCohort:
     """The cohort's clients on ``client-streams`` CUDA streams at once; a client that raises is
-    left out, as in ``one_by_one``."""
+    left out, as in ``one_by_one`` (θ goes to the device with the replicas, clients/streams.py)."""
 
     def train_cohort(cohort, server_round, params, sync_seed, keep_prob):
-        if task.resident:
-            params = task.on_device(params)
         return task.train_streamed(cohort, server_round, params, sync_seed, keep_prob)
 
     return train_cohort
@@ -137,18 +135,19 @@ def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.nd
         raise ConfigError("inject-fault 'hang' needs the Flower engine: an in-process client cannot time out")
     if cfg.vectorize and cfg.inject_fault:
         raise ConfigError("inject-fault needs vectorize = false: the vectorised cohort step trains all clients at once")
-    if cfg.client_streams > 1 and pick_device(cfg).type != "cuda":
+    device = pick_device(cfg)
+    if cfg.client_streams > 1 and device.type != "cuda":
         raise ConfigError(f"client-streams = {cfg.client_streams} needs a CUDA device; this run would train on "
-                         f"{pick_device(cfg)} (set client-streams = 1)")
+                         f"{device} (set client-streams = 1)")
     engine = engine_name(cfg)
     with contextlib.ExitStack() as stack:
         if pool_size(cfg) > 1:  # client-processes = 0 on one CPU trains in this process
-            if pick_device(cfg).type != "cpu":
+            if device.type != "cpu":
                 raise ConfigError("client-processes needs the CPU: set device = 'cpu' or client-processes = 1")
             train_cohort = in_client_processes(cfg, stack)
             processes = pool_size(cfg)
             echo(f"[fedmask] clients train in {processes} processes of {worker_threads(cfg, processes)} torch "
                  "thread(s) each")
         else:
-            train_cohort = in_process(cfg, ClientTask(cfg, resident=resident_on(pick_device(cfg))))
+            train_cohort = in_process(cfg, ClientTask(cfg, resident=resident_on(device)))
         return run_rounds(cfg, engine, local_train_round(cfg, train_cohort), echo=echo)

@@ -119,9 +119,7 @@ class ClientTask:
         generator = self._batch_order(server_round, partition_id)
         result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator, out,
                               self._step)
-        update = list(out) if out is not None else self._update(result.update)
-        if fault:
-            update = _corrupt(fault, [as_array(block) for block in update])
+        update = _with_fault(fault, list(out) if out is not None else self._update(result.update))
         return self._reply(partition_id, server_round, sync_seed, keep_prob, result.num_examples, result.train_loss,
                            update)
 
@@ -155,7 +153,7 @@ class ClientTask:
                 if fault:
                     _raise_or_hang(fault, self.cfg.round_timeout)
             except InjectedFault as exc:  # left out, as one_by_one leaves out a client that raises
-                failures.append(f"partition {pid}: {type(exc).__name__}: {exc}")
+                failures.append(failure_line(pid, exc))
                 continue
             trained.append(pid)
         shards = [self.shard(pid) for pid in trained]
@@ -163,8 +161,7 @@ class ClientTask:
         results = self._streamed.local_updates(global_params, shards, generators) if trained else []
         replies = []
         for pid, r in zip(trained, results, strict=True):
-            fault = self.cfg.fault_for(pid, server_round)
-            update = _corrupt(fault, [as_array(block) for block in r.update]) if fault else self._update(r.update)
+            update = _with_fault(self.cfg.fault_for(pid, server_round), self._update(r.update))
             replies.append(self._reply(pid, server_round, sync_seed, keep_prob, r.num_examples, r.train_loss, update))
         return replies, failures
 
@@ -189,6 +186,16 @@ class ClientTask:
             update=update,
             keep=client_mask(self.cfg, server_round, partition_id, sync_seed, self.num_blocks, keep_prob),
         )
+
+
+def failure_line(partition_id: int, exc: Exception) -> str:
+    """How a round reports a client that raised: it is left out of the aggregate."""
+    return f"partition {partition_id}: {type(exc).__name__}: {exc}"
+
+
+def _with_fault(fault: FaultInjection | None, update: list) -> list:
+    """``update``, or host copies of it corrupted as ``fault`` asks."""
+    return _corrupt(fault, [as_array(block) for block in update]) if fault else update
 
 
 def _raise_or_hang(fault: FaultInjection, round_timeout: float) -> None:
