@@ -199,8 +199,8 @@ def time_rounds(cfg: RunConfig, shards: dict | None, warmup: int, rounds: int, c
     between the warm-up and the timed rounds (a barrier with the other processes or threads);
     ``setup_lock`` is held through the set-up and the warm-up (threads: one CUDA-graph capture at a
     time, while the others wait). ``resident``: whether the replies' Δ_k stay tensors on the device
-    (None: as the engine decides, ``resident_on``). Waits for the device sync the current stream
-    only: with threads, each thread's own."""
+    (None: as the engine decides, ``resident_on``). ``sync`` waits for the current stream only:
+    with threads, each thread's own."""
     device = compute_setup(cfg)[0]
     train_seconds: list[float] = []
     seconds, server_seconds, images = [], [], 0
@@ -445,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{precision:8s} evaluation of {args.test_images} images: "
                       f"{time_evaluation(eval_cfg, args.test_images, batch):.3f} s (eval-batch-size {batch})",
                       flush=True)
-            for path, _, graphs, streams in sorted((p for p in PATHS if p[0] in args.paths),
-                                                   key=lambda p: args.paths.index(p[0])):  # in the order given
+            for path in args.paths:  # in the order given
+                _, _, graphs, streams = next(p for p in PATHS if p[0] == path)
                 if (graphs or streams) and device.type != "cuda":
                     print(f"{precision:8s} {path:14s}: skipped (CUDA graphs and streams need a CUDA device)",
                           flush=True)

@@ -35,7 +35,8 @@ def test_each_client_gets_its_local_update_and_the_replicas_take_turns():
     theta = [p.detach().numpy().copy() for p in model.parameters()]
     training = LocalTraining(epochs=2, batch_size=4, lr=0.1)
     shards = [(torch.randn(n, 5), torch.randint(0, 3, (n,))) for n in (9, 4, 1, 12, 6)]  # partial batches too
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int]] = []  # (replica index, batch size) of every step taken
+    seen_replicas: list[nn.Module] = []
 
     def counting_step(replica: nn.Module):
         step = SGDStep(replica, training)
@@ -48,7 +49,6 @@ def test_each_client_gets_its_local_update_and_the_replicas_take_turns():
 
         return take
 
-    seen_replicas: list[nn.Module] = []
     streamed = StreamedClients(model, training, num_streams=2, make_step=counting_step)
     assert streamed.replicas[0] is model and streamed.replicas[1] is not model and streamed.streams is None
     results = streamed.local_updates(theta, shards, [torch.Generator().manual_seed(10 + k) for k in range(5)])
