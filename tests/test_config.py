@@ -7,11 +7,13 @@ import re
 import pytest
 
 from fedmask_app.run.config import (
+    PROJECT_ROOT,
     ConfigError,
     RunConfig,
     load_run_config,
     parse_overrides,
     pyproject_defaults,
+    toml_value,
 )
 
 
@@ -185,3 +187,12 @@ def test_data_dir_that_can_never_hold_the_file_raises(tmp_path):
     assert "data-dir" in message and str(bad) in message
     with pytest.raises(ConfigError, match="data-dir"):
         load_run_config([f"data-dir='{blocker}'"])  # a file, not a folder
+
+
+def test_the_readme_table_lists_every_key_with_its_default():
+    """README's "Run configuration" table: one row per key of [tool.flwr.app.config], its default as TOML writes it."""
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z0-9-]+)` \| ([^|]+?) \|", readme, flags=re.MULTILINE))
+    for key, value in pyproject_defaults().items():
+        shown = f"`{toml_value(value)}`" if isinstance(value, str) else toml_value(value)
+        assert rows.get(key) == shown, f"README's table: {key} is {rows.get(key)!r}, pyproject.toml says {shown!r}"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fedmask_app.run.config import load_run_config
-from fedmask_app.run.results import ResultsError, RunResults, run_metadata
+from fedmask_app.run.config import load_run_config, pyproject_defaults
+from fedmask_app.run.results import COLUMNS, ResultsError, RunResults, config_differences, run_metadata
 
 
 def _open(tmp_path, *overrides: str) -> RunResults:
@@ -32,3 +32,30 @@ def test_a_key_an_older_run_lacks_counts_as_its_default(tmp_path):
         _open(tmp_path, "resume=true", "cuda-graphs=true", "device='cuda'")
     with pytest.raises(ResultsError, match=r"lr: 0\.01 -> 0\.5"):
         _open(tmp_path, "resume=true", "lr=0.5")
+
+
+def test_a_resume_compares_what_the_run_computes_not_where_its_files_are(tmp_path, monkeypatch):
+    """output-dir spelled relative or absolute, data-dir moved: the same run; other data (another
+    content hash) or another value of a key that changes the numbers: refused, nothing changed."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(['output-dir="results"', 'run-name="r"', 'data-dir="/somewhere/data"'])
+    results = RunResults.open(cfg, run_metadata(cfg, "local", "a" * 64))[0]
+    results.append_row(dict.fromkeys(COLUMNS, 1))
+    saved = results.config_path.read_text()
+
+    moved = load_run_config([f'output-dir="{tmp_path / "results"}"', 'run-name="r"', 'data-dir="/elsewhere"',
+                             "resume=true"])
+    RunResults.open(moved, run_metadata(moved, "local", "a" * 64))
+    with pytest.raises(ResultsError, match=r"data content sha256: aaaaaaaaaaaa… -> bbbbbbbbbbbb…"):
+        RunResults.open(moved, run_metadata(moved, "local", "b" * 64))
+    assert results.config_path.read_text() != saved  # the accepted resume rewrote it
+    written = results.config_path.read_text()
+    with pytest.raises(ResultsError, match=r"num-rounds: 200 -> 3"):
+        _open(tmp_path / "results", "resume=true", "num-rounds=3")
+    assert results.config_path.read_text() == written
+
+
+def test_config_differences_names_each_changed_key_and_ignores_transport_and_location():
+    before = {**pyproject_defaults(), "lr": 0.01, "seed": 0, "output-dir": "results", "resume": False}
+    assert config_differences(before, {**before, "output-dir": "/abs/results", "resume": True}) == []
+    assert config_differences(before, {**before, "lr": 0.5, "seed": 1}) == ["lr: 0.01 -> 0.5", "seed: 0 -> 1"]

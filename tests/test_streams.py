@@ -112,6 +112,7 @@ def test_a_streamed_run_writes_the_one_by_one_runs_rows(tmp_path, resident):
 
 @pytest.mark.parametrize(("values", "message"), [
     (["client-streams=3"], "client-streams = 3 needs a CUDA device"),
+    (["cuda-graphs=true"], "cuda-graphs = true needs a CUDA device; this run would train on cpu"),
     (["inject-fault='hang:1:1'"], "inject-fault 'hang' needs the Flower engine"),
     (["vectorize=true", "inject-fault='nan:1:1'"], "inject-fault needs vectorize = false"),
 ])

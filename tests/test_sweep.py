@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from flwr_runner import PROJECT, SHARED_DATA, superlink_tokens
 
 from fedmask_app.cli import sweep
+from fedmask_app.run.provenance import checkout_commit
 from strategies.cohort import sample_cohort
 
 pytestmark = pytest.mark.slow
@@ -58,6 +60,13 @@ def test_failed_run_is_reported_and_the_rest_goes_on_then_complete_runs_are_skip
     assert "2 runs, 1 complete, 1 to run" in listing
     assert "seed=1_inject-fault=: complete" in listing
 
+    before = good.read_text()
+    assert sweep.main([*args, "lr=0.5"]) == 2  # the same folders, another configuration: refused
+    refused = capsys.readouterr()
+    assert "holds 2 of this grid's run folders with runs of another configuration; nothing was run" in refused.err
+    assert "seed=1_inject-fault=: lr: 0.01 -> 0.5" in refused.err
+    assert good.read_text() == before and "[sweep]" not in refused.out
+
 
 def test_a_killed_sweep_resumes_where_it_stopped(tmp_path):
     grid = write_grid(tmp_path / "grid.toml", 4, "seed = [3]\n")
@@ -93,3 +102,13 @@ def test_flower_engine_runs_a_grid_through_flwr(tmp_path):
     rows = pd.read_csv(tmp_path / "out" / "seed=0" / "rounds.csv")
     assert rows["round"].tolist() == [1, 2]
     assert (rows["num_clients"] == 2).all()
+    # Flower ran an installed copy without .git: the commit came from the checkout through fedmask-sweep
+    commit = json.loads((tmp_path / "out" / "seed=0" / "config.json").read_text())["git_commit"]
+    assert checkout_commit() is not None and commit == checkout_commit()
+    # what the Flower run recorded is the configuration the sweep asked for: complete, not foreign
+    assert sweep.main([str(grid), "--output-dir", str(tmp_path / "out"), data_dir(), "--dry-run"]) == 0
+
+
+def test_the_default_output_folder_names_the_grid_files_folder():
+    assert sweep.default_output_dir(PROJECT / "conf" / "paper" / "grid1.toml") == "results/paper/grid1"
+    assert sweep.default_output_dir(PROJECT / "conf" / "mini" / "grid1.toml") == "results/mini/grid1"

@@ -12,7 +12,8 @@ run's shards.csv). Curvature and flatness measurements: their median over the wi
 have them.
 
 Writes into --out: summary.csv (one row per cell) and fig1.png; curvature.png when any run has
-ρ_H values; comparison.csv and comparison.png when the runs differ in mask-mode or server-step.
+ρ_H values; comparison.csv and comparison.png when the runs differ in mask-mode, server-step or
+mask-granularity.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from fedmask_app.run.config import (
     refuse_local_engine_keys,
     run_config_from_values,
 )
-from fedmask_app.run.results import is_complete
+from fedmask_app.run.results import is_complete, stored_differences
 from fedmask_app.sweep.grid import GridRun, load_grid
 
 if TYPE_CHECKING:
@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=("flower", "local"), default=None,
                         help="flower (default): `flwr run --stream` per run (Ray simulation); local: one process; "
                              "with --ray-address always local")
-    parser.add_argument("--output-dir", default=None, help="default: results/<grid file stem>")
+    parser.add_argument("--output-dir", default=None,
+                        help="default: results/<the grid file's folder>/<its stem>, e.g. results/paper/grid1")
     parser.add_argument("--num-cpus", type=int, default=1, help="flower engine: CPUs per virtual client")
     parser.add_argument("--num-gpus", type=float, default=None,
                         help="flower engine: GPU fraction per client (default 0.25 with CUDA, else 0)")
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         runs = load_grid(args.grid)
-        output_dir = args.output_dir or str(Path("results") / args.grid.stem)
+        output_dir = args.output_dir or default_output_dir(args.grid)
         common = {**parse_overrides(args.overrides), "output-dir": str(Path(output_dir).resolve()), "resume": True}
         configs = [(run, grid_run_config(run, common)) for run in runs]
         if args.engine == "flower":
@@ -132,6 +133,15 @@ def main(argv: list[str] | None = None) -> int:
                 refuse_local_engine_keys(cfg)
     except ConfigError as exc:
         print(f"fedmask-sweep: {exc}", file=sys.stderr)
+        return 2
+
+    foreign = {run.name: diffs for run, cfg in configs if (diffs := stored_differences(cfg.run_dir, cfg.to_mapping()))}
+    if foreign:
+        print(f"fedmask-sweep: {output_dir} holds {len(foreign)} of this grid's run folders with runs of another "
+              "configuration; nothing was run or changed. Choose another --output-dir, or move those folders:",
+              file=sys.stderr)
+        for name, diffs in foreign.items():
+            print(f"  {name}: {', '.join(diffs)}", file=sys.stderr)
         return 2
 
     complete = {run.name: is_complete(cfg.run_dir, cfg.num_rounds) for run, cfg in configs}
@@ -220,6 +230,12 @@ def _report_run(run: GridRun, cfg: RunConfig, outcome: RunOutcome, verbose: bool
         return True
     tqdm.write(f"[sweep] {run.name} FAILED{where}: rounds.csv is incomplete; see its output above")
     return False
+
+
+def default_output_dir(grid: Path) -> str:
+    """results/<folder>/<stem> of the grid file: conf/paper/grid1.toml and conf/mini/grid1.toml
+    write to different folders."""
+    return str(Path("results") / grid.resolve().parent.name / grid.stem)
 
 
 def grid_run_config(run: GridRun, common: dict) -> RunConfig:

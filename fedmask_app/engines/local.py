@@ -139,6 +139,9 @@ def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.nd
     if cfg.client_streams > 1 and device.type != "cuda":
         raise ConfigError(f"client-streams = {cfg.client_streams} needs a CUDA device; this run would train on "
                          f"{device} (set client-streams = 1)")
+    if cfg.cuda_graphs and device.type != "cuda":
+        raise ConfigError(f"cuda-graphs = true needs a CUDA device; this run would train on {device} "
+                          "(set cuda-graphs = false)")
     engine = engine_name(cfg)
     with contextlib.ExitStack() as stack:
         if pool_size(cfg) > 1:  # client-processes = 0 on one CPU trains in this process

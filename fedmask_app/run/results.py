@@ -8,7 +8,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -18,8 +17,9 @@ import numpy as np
 import torch
 
 from clients.training import as_array
-from fedmask_app.run.config import PROJECT_ROOT, ConfigError, RunConfig, pyproject_defaults
+from fedmask_app.run.config import ConfigError, RunConfig, pyproject_defaults
 from fedmask_app.run.files import atomic_write, atomic_write_json
+from fedmask_app.run.provenance import source_commit
 from fedmask_app.run.schema import ALL_COLUMNS, CHECKPOINT_FILE, CONFIG_FILE, ROUNDS_FILE, SHARDS_FILE
 
 COLUMNS = ALL_COLUMNS
@@ -39,6 +39,10 @@ class Checkpoint:
 
 # Keys that do not change a run's numbers: a resume may differ in them.
 TRANSPORT_KEYS = {"resume", "fast-simulation"}  # not vectorize: it moves float32 results by rounding
+# Keys that say where a run's files are, not what it computes: the folder being resumed is the
+# run's own whatever the spelling of its path (fedmask-run writes absolute paths, fedmask-local
+# relative ones), and the data is compared by its content hash instead of its folder.
+LOCATION_KEYS = {"output-dir", "run-name", "data-dir"}
 
 
 def _defaults_or_empty() -> dict[str, Any]:
@@ -61,6 +65,24 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def config_differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``key: before -> now`` for each run-config key in which ``now`` would compute another run
+    than ``before`` did (transport and location keys aside). A key ``before`` lacks came later,
+    with a default that keeps what the earlier run did."""
+    before = {**_defaults_or_empty(), **before}
+    keys = (set(before) | set(now)) - TRANSPORT_KEYS - LOCATION_KEYS
+    return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(keys) if before.get(k) != now.get(k)]
+
+
+def stored_differences(run_dir: Path, run_config: dict[str, Any]) -> list[str]:
+    """``config_differences`` between the run ``run_dir`` holds (its config.json) and
+    ``run_config``; empty when the folder holds no config.json."""
+    config_path = run_dir / CONFIG_FILE
+    if not config_path.is_file():
+        return []
+    return config_differences(json.loads(config_path.read_text()).get("run_config", {}), run_config)
+
+
 def is_complete(run_dir: Path, num_rounds: int) -> bool:
     """True when rounds.csv holds rounds 1..num_rounds."""
     rows = read_rows(run_dir / ROUNDS_FILE)
@@ -74,19 +96,13 @@ def run_metadata(cfg: RunConfig, engine: str, data_sha256: str) -> dict[str, Any
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
     return {
         "run_config": cfg.to_mapping(),
         "run_name": cfg.name,
         "engine": engine,
         "model": cfg.model,
         "data_sha256": data_sha256,
-        "git_commit": commit,
+        "git_commit": source_commit(),
         "packages": versions,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -112,7 +128,7 @@ class RunResults:
         results.run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = None
         if cfg.resume:
-            results._check_same_run(meta["run_config"])
+            results._check_same_run(meta)
             checkpoint = results.load_checkpoint()
             last = checkpoint.server_round if checkpoint else 0
             results._keep_rounds_up_to(last)
@@ -127,18 +143,17 @@ class RunResults:
         atomic_write_json(results.config_path, meta)
         return results, checkpoint
 
-    def _check_same_run(self, run_config: dict[str, Any]) -> None:
+    def _check_same_run(self, meta: dict[str, Any]) -> None:
         """A resume must continue the run that the folder holds, not another configuration."""
         if not self.config_path.is_file():
             return
-        before = json.loads(self.config_path.read_text()).get("run_config", {})
-        # A key the earlier run's config lacks came later, with a default that keeps what it did.
-        before = {**_defaults_or_empty(), **before}
-        keys = (set(before) | set(run_config)) - TRANSPORT_KEYS
-        changed = sorted(k for k in keys if before.get(k) != run_config.get(k))
+        stored = json.loads(self.config_path.read_text())
+        changed = config_differences(stored.get("run_config", {}), meta["run_config"])
+        if stored.get("data_sha256") and meta.get("data_sha256") and stored["data_sha256"] != meta["data_sha256"]:
+            changed.append(f"data content sha256: {stored['data_sha256'][:12]}… -> {meta['data_sha256'][:12]}…")
         if changed:
-            diffs = ", ".join(f"{k}: {before.get(k)!r} -> {run_config.get(k)!r}" for k in changed)
-            raise ResultsError(f"cannot resume {self.run_dir}: it holds a run with another configuration ({diffs})")
+            raise ResultsError(f"cannot resume {self.run_dir}: it holds a run with another configuration "
+                               f"({', '.join(changed)})")
 
     def _keep_rounds_up_to(self, last_round: int) -> None:
         """Rewrite rounds.csv with the header and the rows of rounds <= last_round."""

@@ -210,9 +210,8 @@ def _run_in(temp: Path, name: str, mapping: dict[str, Any], files: dict[str, byt
     run_dir.mkdir(parents=True)
     for file_name, data in files.items():
         (run_dir / file_name).write_bytes(data)
-    _retarget(run_dir / CONFIG_FILE, str(temp))  # a resume checks that output-dir is the same
     error, resumed = _run({**mapping, "output-dir": str(temp)}, verbose)
-    _retarget(run_dir / CONFIG_FILE, mapping["output-dir"])
+    _retarget(run_dir / CONFIG_FILE, mapping["output-dir"])  # config.json names the folder it is written to
     return error, resumed, read_run_files(run_dir)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from fedmask_app.run.config import PROJECT_ROOT, RunConfig, toml_value
+from fedmask_app.run.provenance import COMMIT_ENV, checkout_commit
 
 MARKER = "FEDMASK_SUPERLINK_TOKEN"
 
@@ -140,7 +141,8 @@ def run_with_flower(
     federation = (
         f"num-supernodes={cfg.num_clients} client-resources-num-cpus={num_cpus} client-resources-num-gpus={gpus}"
     )
-    with PrivateSuperLink(extra_env={"RAY_ADDRESS": ray_address} if ray_address else None) as superlink:
+    extra_env = {COMMIT_ENV: checkout_commit() or "", **({"RAY_ADDRESS": ray_address} if ray_address else {})}
+    with PrivateSuperLink(extra_env=extra_env) as superlink:
         config_file = superlink.flwr_home / "run-config.toml"
         config_file.write_text("".join(f"{key} = {toml_value(value)}\n" for key, value in values.items()))
         command = superlink.flwr_run(config_file, federation)
