@@ -124,3 +124,24 @@ def test_fedmask_local_refuses_what_it_cannot_run_here_by_name(tmp_path, monkeyp
     assert cli.main([*values, f"output-dir='{tmp_path}'", "run-name='refused'"]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
+
+
+def test_fedmask_run_refuses_cuda_graphs_when_its_simulated_clients_have_no_cuda(tmp_path, monkeypatch, capsys):
+    """Every client would fail in the simulation: refused by name before Flower starts (exit 2)."""
+    from fedmask_app.cli import run as fedmask_run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(fedmask_run, "run_with_flower", lambda *a, **k: pytest.fail("Flower was started"))
+    assert fedmask_run.main(["cuda-graphs=true", f"output-dir='{tmp_path}'"]) == 2
+    assert "cuda-graphs = true needs a CUDA device" in capsys.readouterr().err
+
+
+def test_fedmask_sweep_refuses_cuda_graphs_when_this_machine_has_no_cuda(tmp_path, monkeypatch, capsys):
+    from fedmask_app.cli import sweep
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    grid = tmp_path / "grid.toml"
+    grid.write_text("[base]\nnum-rounds = 1\n[axes]\nseed = [0, 1]\n")
+    assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(tmp_path / "out"), "cuda-graphs=true"]) == 2
+    assert "cuda-graphs = true needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -17,6 +17,7 @@ import sys
 from fedmask_app.cli.common import add_run_config_arguments, run_config_from_args
 from fedmask_app.engines.flower.superlink import run_with_flower
 from fedmask_app.run.config import ConfigError, refuse_local_engine_keys
+from fedmask_app.run.device import refuse_graphs_without_cuda
 
 # Flower lines that say nothing true about a fedmask-run: it sizes the federation itself and runs
 # on a private FLWR_HOME that it creates and removes.
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         refuse_local_engine_keys(cfg)
+        if not args.ray_address:  # a cluster's nodes may have GPUs this machine lacks
+            refuse_graphs_without_cuda(cfg)
     except ConfigError as exc:
         print(f"fedmask-run: {exc}", file=sys.stderr)
         return 2

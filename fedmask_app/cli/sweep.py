@@ -23,6 +23,7 @@ from fedmask_app.run.config import (
     refuse_local_engine_keys,
     run_config_from_values,
 )
+from fedmask_app.run.device import refuse_graphs_without_cuda
 from fedmask_app.run.results import is_complete, stored_differences
 from fedmask_app.sweep.grid import GridRun, load_grid
 
@@ -128,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         output_dir = args.output_dir or default_output_dir(args.grid)
         common = {**parse_overrides(args.overrides), "output-dir": str(Path(output_dir).resolve()), "resume": True}
         configs = [(run, grid_run_config(run, common)) for run in runs]
-        if args.engine == "flower":
-            for _, cfg in configs:
+        for _, cfg in configs:
+            if args.engine == "flower":
                 refuse_local_engine_keys(cfg)
+            if not args.ray_address:  # on a cluster the runs' nodes may have GPUs this machine lacks
+                refuse_graphs_without_cuda(cfg)
     except ConfigError as exc:
         print(f"fedmask-sweep: {exc}", file=sys.stderr)
         return 2

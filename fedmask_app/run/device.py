@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from fedmask_app.run.config import RunConfig
+from fedmask_app.run.config import ConfigError, RunConfig
 
 
 def pick_device(cfg: RunConfig) -> torch.device:
@@ -15,6 +15,14 @@ def pick_device(cfg: RunConfig) -> torch.device:
             raise RuntimeError("device = 'cuda' but torch sees no CUDA device")
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def refuse_graphs_without_cuda(cfg: RunConfig) -> None:
+    """For launchers whose clients train on this machine (a Flower simulation, a sweep): with
+    cuda-graphs = true and no CUDA every client would fail, so the run is refused before it starts."""
+    if cfg.cuda_graphs and not torch.cuda.is_available():
+        raise ConfigError("cuda-graphs = true needs a CUDA device, and this machine's clients have none "
+                          "(set cuda-graphs = false)")
 
 
 def given_cpus() -> int:
