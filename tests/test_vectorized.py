@@ -117,6 +117,20 @@ def test_float64_resnet18_matches_sequential(skip_padding_taps):
         _assert_equal_results(_sequential(candidate, theta, shards, training), seq, 1e-10)
 
 
+def test_float64_fedavg_cnn_matches_sequential():
+    """The second architecture (no normalisation layers, max-pooling, a wide linear layer) through
+    the vectorised path: McMahan et al.'s CNN, 8 blocks, 2,156,490 parameters."""
+    model = build_model("cnn-fedavg").double()
+    theta = [p.double() for p in initial_parameters("cnn-fedavg", 0)]
+    assert len(theta) == 8 and sum(t.numel() for t in theta) == 2_156_490
+    shards = _shards(SIZES, torch.float64)
+    training = LocalTraining(epochs=2, batch_size=4, lr=0.05)
+    seq = _sequential(model, theta, shards, training)
+    vec = vectorized_local_updates(build_model("cnn-fedavg").double(), theta, shards, training,
+                                   _generators(len(shards)))
+    _assert_equal_results(vec, seq, 1e-10)
+
+
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 @pytest.mark.parametrize("path", ["vectorised", "live-taps", "vectorised-live-taps"])
 def test_float32_resnet18_within_ten_times_the_sequential_noise_floor(path):

@@ -11,6 +11,7 @@ PAPER_SEEDS, PAPER_TEST_IMAGES, PAPER_CLIENTS, PAPER_COHORT, PAPER_LR = 3, 10000
 MODEL_NOTES = {
     "resnet18-gn": "ResNet-18/GN with torchvision's ImageNet stem, 7×7/2 conv + max-pool",
     "resnet18-gn-cifar": "ResNet-18/GN with a 3×3/1 CIFAR stem, no max-pool",
+    "cnn-fedavg": "the FedAvg paper's 2-conv CNN, not ResNet-18",
 }
 LOCAL_TRAINING = ("local training is plain SGD without momentum or weight decay (a project choice, "
                   "not matched to the paper's)")

@@ -1,6 +1,8 @@
 """The models a run can train, 10 classes: ResNet-18 with GroupNorm(2 groups) in place of
-BatchNorm (the paper's model), and ``linear-softmax`` (one linear layer on the flattened image,
-2 blocks: fast smoke runs, and a model whose updates a test can compute in closed form)."""
+BatchNorm (the paper's model), ``cnn-fedavg`` (the small CNN of the FedAvg paper: a second
+architecture, for the paper's "one architecture" limit), and ``linear-softmax`` (one linear layer
+on the flattened image, 2 blocks: fast smoke runs, and a model whose updates a test can compute
+in closed form)."""
 
 from __future__ import annotations
 
@@ -11,23 +13,38 @@ from torch import nn
 from clients.seeds import INIT, derive_seed
 from fedmask_app.run.live_taps import use_live_taps
 
-MODELS = ("resnet18-gn", "resnet18-gn-cifar", "linear-softmax")
+MODELS = ("resnet18-gn", "resnet18-gn-cifar", "cnn-fedavg", "linear-softmax")
 
 
 def _group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(2, channels)
 
 
+def fedavg_cnn() -> nn.Sequential:
+    """The CNN of McMahan et al. (2017), "Communication-efficient learning of deep networks from
+    decentralized data", with 3 input channels: two 5×5 convolutions ("same" padding; 32 and 64
+    channels, each followed by ReLU and 2×2 max-pooling), a 512-unit ReLU layer and the 10-way
+    output; no normalisation layers. 8 blocks, 2,156,490 parameters."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 512), nn.ReLU(), nn.Linear(512, 10),
+    )
+
+
 def build_model(name: str, skip_padding_taps: bool = False) -> nn.Module:
     """``resnet18-gn``: torchvision's stem (7×7/2 conv + max-pool); ``resnet18-gn-cifar``: 3×3/1
-    conv and no max-pool, the usual CIFAR stem (about 15× costlier on a CPU); ``linear-softmax``:
-    flatten the 3×32×32 image, then one ``nn.Linear(3072, 10)`` (weight and bias: 2 blocks), for
-    fast smoke runs. ``skip_padding_taps``: convolutions skip the kernel taps that only read zero
-    padding (fedmask_app/run/live_taps.py): the same function and parameters, float rounding aside."""
+    conv and no max-pool, the usual CIFAR stem (about 15× costlier on a CPU); ``cnn-fedavg``:
+    ``fedavg_cnn``; ``linear-softmax``: flatten the 3×32×32 image, then one ``nn.Linear(3072, 10)``
+    (weight and bias: 2 blocks), for fast smoke runs. ``skip_padding_taps``: convolutions skip the
+    kernel taps that only read zero padding (fedmask_app/run/live_taps.py): the same function and
+    parameters, float rounding aside."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)}")
     if name == "linear-softmax":
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))
+    if name == "cnn-fedavg":
+        return use_live_taps(fedavg_cnn()) if skip_padding_taps else fedavg_cnn()
     model = torchvision.models.resnet18(num_classes=10, norm_layer=_group_norm)
     if name == "resnet18-gn-cifar":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
