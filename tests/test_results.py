@@ -59,3 +59,11 @@ def test_config_differences_names_each_changed_key_and_ignores_transport_and_loc
     before = {**pyproject_defaults(), "lr": 0.01, "seed": 0, "output-dir": "results", "resume": False}
     assert config_differences(before, {**before, "output-dir": "/abs/results", "resume": True}) == []
     assert config_differences(before, {**before, "lr": 0.5, "seed": 1}) == ["lr: 0.01 -> 0.5", "seed: 0 -> 1"]
+
+
+def test_a_corrupt_config_json_is_named_and_left_as_it_is(tmp_path):
+    results = _open(tmp_path)
+    results.config_path.write_text("{not json")
+    with pytest.raises(ResultsError, match=r"config.json is not a readable config.json .*nothing was changed"):
+        _open(tmp_path, "resume=true")
+    assert results.config_path.read_text() == "{not json"

@@ -112,3 +112,13 @@ def test_flower_engine_runs_a_grid_through_flwr(tmp_path):
 def test_the_default_output_folder_names_the_grid_files_folder():
     assert sweep.default_output_dir(PROJECT / "conf" / "paper" / "grid1.toml") == "results/paper/grid1"
     assert sweep.default_output_dir(PROJECT / "conf" / "mini" / "grid1.toml") == "results/mini/grid1"
+
+
+def test_a_run_folder_with_an_unreadable_config_json_stops_the_sweep_by_name(tmp_path, capsys):
+    grid = write_grid(tmp_path / "grid.toml", 2, "seed = [5]\n")
+    broken = tmp_path / "out" / "seed=5" / "config.json"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("{not json")
+    assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(tmp_path / "out"), data_dir()]) == 2
+    assert f"{broken} is not a readable config.json" in capsys.readouterr().err
+    assert broken.read_text() == "{not json"

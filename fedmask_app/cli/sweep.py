@@ -24,7 +24,7 @@ from fedmask_app.run.config import (
     run_config_from_values,
 )
 from fedmask_app.run.device import refuse_graphs_without_cuda
-from fedmask_app.run.results import is_complete, stored_differences
+from fedmask_app.run.results import ResultsError, is_complete, stored_differences
 from fedmask_app.sweep.grid import GridRun, load_grid
 
 if TYPE_CHECKING:
@@ -138,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedmask-sweep: {exc}", file=sys.stderr)
         return 2
 
-    foreign = {run.name: diffs for run, cfg in configs if (diffs := stored_differences(cfg.run_dir, cfg.to_mapping()))}
+    try:
+        foreign = {run.name: diffs for run, cfg in configs
+                   if (diffs := stored_differences(cfg.run_dir, cfg.to_mapping()))}
+    except ResultsError as exc:
+        print(f"fedmask-sweep: {exc}", file=sys.stderr)
+        return 2
     if foreign:
         print(f"fedmask-sweep: {output_dir} holds {len(foreign)} of this grid's run folders with runs of another "
               "configuration; nothing was run or changed. Choose another --output-dir, or move those folders:",

@@ -74,13 +74,22 @@ def config_differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]
     return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(keys) if before.get(k) != now.get(k)]
 
 
+def stored_metadata(config_path: Path) -> dict[str, Any] | None:
+    """A run folder's config.json, or None when it has none; ResultsError names a file that is not JSON."""
+    if not config_path.is_file():
+        return None
+    try:
+        return json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{config_path} is not a readable config.json ({exc}): move that run folder away "
+                           "or choose another output-dir (nothing was changed)") from exc
+
+
 def stored_differences(run_dir: Path, run_config: dict[str, Any]) -> list[str]:
     """``config_differences`` between the run ``run_dir`` holds (its config.json) and
     ``run_config``; empty when the folder holds no config.json."""
-    config_path = run_dir / CONFIG_FILE
-    if not config_path.is_file():
-        return []
-    return config_differences(json.loads(config_path.read_text()).get("run_config", {}), run_config)
+    stored = stored_metadata(run_dir / CONFIG_FILE)
+    return [] if stored is None else config_differences(stored.get("run_config", {}), run_config)
 
 
 def is_complete(run_dir: Path, num_rounds: int) -> bool:
@@ -145,9 +154,9 @@ class RunResults:
 
     def _check_same_run(self, meta: dict[str, Any]) -> None:
         """A resume must continue the run that the folder holds, not another configuration."""
-        if not self.config_path.is_file():
+        stored = stored_metadata(self.config_path)
+        if stored is None:
             return
-        stored = json.loads(self.config_path.read_text())
         changed = config_differences(stored.get("run_config", {}), meta["run_config"])
         if stored.get("data_sha256") and meta.get("data_sha256") and stored["data_sha256"] != meta["data_sha256"]:
             changed.append(f"data content sha256: {stored['data_sha256'][:12]}… -> {meta['data_sha256'][:12]}…")
