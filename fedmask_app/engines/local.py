@@ -21,7 +21,7 @@ from clients.seeds import synchronized_mask_seed
 from fedmask_app.engines.client_pool import ClientPool, pool_size, worker_threads
 from fedmask_app.run.client_task import ClientTask, failure_line
 from fedmask_app.run.config import ConfigError, RunConfig
-from fedmask_app.run.device import pick_device
+from fedmask_app.run.device import pick_device, refuse_graphs_without_cuda
 from fedmask_app.run.loop import TrainRound, run_rounds
 from strategies.aggregate import ClientReply, ServerLr
 from strategies.cohort import sample_cohort
@@ -139,9 +139,7 @@ def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.nd
     if cfg.client_streams > 1 and device.type != "cuda":
         raise ConfigError(f"client-streams = {cfg.client_streams} needs a CUDA device; this run would train on "
                          f"{device} (set client-streams = 1)")
-    if cfg.cuda_graphs and device.type != "cuda":
-        raise ConfigError(f"cuda-graphs = true needs a CUDA device; this run would train on {device} "
-                          "(set cuda-graphs = false)")
+    refuse_graphs_without_cuda(cfg, device)
     engine = engine_name(cfg)
     with contextlib.ExitStack() as stack:
         if pool_size(cfg) > 1:  # client-processes = 0 on one CPU trains in this process

@@ -17,11 +17,14 @@ def pick_device(cfg: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def refuse_graphs_without_cuda(cfg: RunConfig) -> None:
-    """For launchers whose clients train on this machine (a Flower simulation, a sweep): with
-    cuda-graphs = true and no CUDA every client would fail, so the run is refused before it starts."""
-    if cfg.cuda_graphs and not torch.cuda.is_available():
-        raise ConfigError("cuda-graphs = true needs a CUDA device, and this machine's clients have none "
+def refuse_graphs_without_cuda(cfg: RunConfig, device: torch.device | None = None) -> None:
+    """cuda-graphs = true where the clients would not train on CUDA, refused before anything starts
+    (every client would fail). ``device``: where this process trains (the local engine); None: a
+    launcher whose clients train on this machine (a Flower simulation, a sweep)."""
+    on_cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
+    if cfg.cuda_graphs and not on_cuda:
+        where = device if device is not None else "this machine's CPU (it has no CUDA device)"
+        raise ConfigError(f"cuda-graphs = true needs a CUDA device; this run would train on {where} "
                           "(set cuda-graphs = false)")
 
 

@@ -44,8 +44,9 @@ def build_model(name: str, skip_padding_taps: bool = False) -> nn.Module:
     if name == "linear-softmax":
         return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))
     if name == "cnn-fedavg":
-        return use_live_taps(fedavg_cnn()) if skip_padding_taps else fedavg_cnn()
-    model = torchvision.models.resnet18(num_classes=10, norm_layer=_group_norm)
+        model = fedavg_cnn()
+    else:
+        model = torchvision.models.resnet18(num_classes=10, norm_layer=_group_norm)
     if name == "resnet18-gn-cifar":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
