@@ -72,7 +72,7 @@ def step_function(path: str, model: torch.nn.Module, training: LocalTraining, cl
     weights = torch.ones(clients, training.batch_size, device=device)
     counts = torch.full((clients,), training.batch_size, device=device)
     step = CudaGraphCohortStep(model, training) if path == "vec-graphs" else CohortStep(model, training)
-    stacked = step.stacked_params([p.detach() for p in model.parameters()], clients)
+    stacked = step.stacked_params([[p.detach() for p in model.parameters()]], [clients])
     return lambda: step(stacked, None, images, labels, weights, counts)
 
 

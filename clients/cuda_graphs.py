@@ -18,6 +18,8 @@ between allocates its own).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -96,15 +98,16 @@ class CudaGraphCohortStep(CohortStep):
         self._inputs: tuple[torch.Tensor, ...] | None = None  # images, labels, weights, counts
         self._losses: torch.Tensor | None = None
 
-    def stacked_params(self, theta: list[torch.Tensor], num_clients: int) -> Params:
-        """θ copied into every client's slice of the persistent buffers (new buffers, and a new
-        capture, when the cohort size changes)."""
+    def stacked_params(self, thetas: Sequence[list[torch.Tensor]], counts: Sequence[int]) -> Params:
+        """``counts[g]`` copies of ``thetas[g]`` per group g copied into the persistent buffers (new
+        buffers, and a new capture, when the number of clients changes)."""
+        num_clients = sum(counts)
         if self._stacked is None or next(iter(self._stacked.values())).shape[0] != num_clients:
-            self._stacked, self._graph, self._inputs = stack_copies(self.model, theta, num_clients), None, None
+            self._stacked, self._graph, self._inputs = stack_copies(self.model, thetas, counts), None, None
             return self._stacked
         with torch.no_grad():
-            for p, t in zip(self._stacked.values(), theta, strict=True):
-                p.copy_(t.unsqueeze(0).expand_as(p))
+            for p, value in zip(self._stacked.values(), stack_copies(self.model, thetas, counts).values(), strict=True):
+                p.copy_(value)
         return self._stacked
 
     def __call__(self, stacked: Params, clients: torch.Tensor | None, images: torch.Tensor, labels: torch.Tensor,

@@ -98,10 +98,12 @@ def model_theta(model: nn.Module, global_params: Sequence) -> list[torch.Tensor]
     return theta
 
 
-def stack_copies(model: nn.Module, theta: list[torch.Tensor], num_clients: int) -> Params:
-    """A copy of θ per client, stacked along a leading dimension, by parameter name."""
-    return {name: t.unsqueeze(0).repeat(num_clients, *([1] * t.dim())).contiguous()
-            for (name, _), t in zip(model.named_parameters(), theta, strict=True)}
+def stack_copies(model: nn.Module, thetas: Sequence[list[torch.Tensor]], counts: Sequence[int]) -> Params:
+    """``counts[g]`` copies of ``thetas[g]`` for every group g of clients (one group: a cohort from
+    one θ; several: the cohorts of runs trained together), stacked along a leading dimension, by
+    parameter name."""
+    return {name: torch.cat([t[i].unsqueeze(0).expand(c, *t[i].shape) for t, c in zip(thetas, counts, strict=True)])
+            for i, (name, _) in enumerate(model.named_parameters())}
 
 
 class CohortStep:
@@ -118,8 +120,9 @@ class CohortStep:
         self.losses = vmap(lambda *a: _client_step_loss(model, *a), chunk_size=chunk_size)
         self.autocast_cache = autocast_cache
 
-    def stacked_params(self, theta: list[torch.Tensor], num_clients: int) -> Params:
-        return stack_copies(self.model, theta, num_clients)
+    def stacked_params(self, thetas: Sequence[list[torch.Tensor]], counts: Sequence[int]) -> Params:
+        """``counts[g]`` copies of ``thetas[g]`` per group g, stacked (``stack_copies``)."""
+        return stack_copies(self.model, thetas, counts)
 
     def __call__(self, stacked: Params, clients: torch.Tensor | None, images: torch.Tensor, labels: torch.Tensor,
                  weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -156,22 +159,48 @@ def vectorized_local_updates(
     in ``local_update``. ``chunk_size`` bounds how many clients one vmapped call processes;
     ``step`` takes each synchronous step (default: an eager ``CohortStep``).
     """
-    if not shards or len(shards) != len(generators):
-        raise ValueError(f"need one generator per shard, got {len(shards)} shards and {len(generators)} generators")
-    if any(len(labels) == 0 for _, labels in shards):
+    return grouped_local_updates(model, [global_params], [shards], training, [generators], chunk_size, step)[0]
+
+
+def grouped_local_updates(
+    model: nn.Module,
+    starts: Sequence[Sequence],
+    shards: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
+    training: LocalTraining,
+    generators: Sequence[list[torch.Generator]],
+    chunk_size: int | None = None,
+    step: CohortStep | None = None,
+) -> list[list[LocalResult]]:
+    """Several cohorts, each from a θ of its own (``starts[g]``: the runs of a sweep trained
+    together), as one batched computation: group g's clients train on ``shards[g]`` with
+    ``generators[g]`` from ``starts[g]``, each exactly as ``vectorized_local_updates`` would train
+    that cohort alone (clients never interact). One list of ``LocalResult`` per group."""
+    if not shards or len(starts) != len(shards) or len(generators) != len(shards):
+        raise ValueError(f"need one θ and one list of generators per group of shards, got {len(starts)} θ, "
+                         f"{len(shards)} groups of shards and {len(generators)} of generators")
+    for group_shards, group_generators in zip(shards, generators, strict=True):
+        if not group_shards or len(group_shards) != len(group_generators):
+            raise ValueError(f"need one generator per shard, got {len(group_shards)} shards and "
+                             f"{len(group_generators)} generators")
+    flat = [shard for group in shards for shard in group]
+    if any(len(labels) == 0 for _, labels in flat):
         raise ValueError("every shard needs at least one example")
     _check_model(model)
     step = step or CohortStep(model, training, chunk_size)
-    theta = model_theta(model, global_params)
-    stacked = step.stacked_params(theta, len(shards))
-    device = theta[0].device
-    sizes = [len(labels) for _, labels in shards]
+    thetas = [model_theta(model, start) for start in starts]
+    counts = [len(group) for group in shards]
+    stacked = step.stacked_params(thetas, counts)
+    device = thetas[0][0].device
+    sizes = [len(labels) for _, labels in flat]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-    images = torch.cat([x for x, _ in shards]).to(device)
-    labels = torch.cat([y for _, y in shards]).to(device)
-    schedules = [batch_orders(n, training, g) for n, g in zip(sizes, generators, strict=True)]
+    images = torch.cat([x for x, _ in flat]).to(device)
+    labels = torch.cat([y for _, y in flat]).to(device)
+    schedules = [batch_orders(n, training, g)
+                 for n, g in zip(sizes, [g for group in generators for g in group], strict=True)]
     loss_sums = _train(model, step, stacked, images, labels, cohort_schedule(schedules, offsets, device))
-    return _results(theta, stacked, sizes, schedules, loss_sums)
+    results = _results(stack_copies(model, thetas, counts), stacked, sizes, schedules, loss_sums)
+    ends = np.cumsum(counts).tolist()
+    return [results[end - count : end] for count, end in zip(counts, ends, strict=True)]
 
 
 def _train(model: nn.Module, step: CohortStep, stacked: Params, images: torch.Tensor, labels: torch.Tensor,
@@ -203,11 +232,11 @@ def _sgd(stacked: Params, grads: Params, clients: torch.Tensor | None, lr: float
 
 @torch.no_grad()
 def _results(
-    theta: list[torch.Tensor], stacked: Params, sizes: list[int], schedules: list[list[torch.Tensor]],
-    loss_sums: torch.Tensor,
+    starts: Params, stacked: Params, sizes: list[int], schedules: list[list[torch.Tensor]], loss_sums: torch.Tensor,
 ) -> list[LocalResult]:
-    """Δ_k = θ − θ_k per client (views into one stacked tensor per parameter) and its train loss."""
-    deltas = [(t0.unsqueeze(0) - p).unbind(0) for t0, p in zip(theta, stacked.values(), strict=True)]
+    """Δ_k = θ − θ_k per client, θ its group's start (views into one stacked tensor per parameter),
+    and its train loss."""
+    deltas = [(starts[name] - p).unbind(0) for name, p in stacked.items()]
     results = []
     for k, (n, loss_sum) in enumerate(zip(sizes, loss_sums.tolist(), strict=True)):
         seen = sum(len(b) for b in schedules[k])

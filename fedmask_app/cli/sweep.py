@@ -1,5 +1,8 @@
 """fedmask-sweep GRID: every cell x seed of a grid file, one run after another, resumable.
 
+With --group-runs N (local engine, vectorize=true) runs that train alike go N at a time, their
+cohorts trained as one batched computation (fedmask_app/engines/run_group.py).
+
 With --ray-address the runs are Ray tasks spread across a cluster's nodes instead, several at a
 time, each on the local engine (fedmask_app/sweep/cluster.py; ray is imported only then)."""
 
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from fedmask_app.engines.flower.superlink import run_with_flower
+from fedmask_app.engines.run_group import form_groups, refuse_ungroupable
 from fedmask_app.run.config import (
     ConfigError,
     RunConfig,
@@ -94,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-cpus", type=int, default=1, help="flower engine: CPUs per virtual client")
     parser.add_argument("--num-gpus", type=float, default=None,
                         help="flower engine: GPU fraction per client (default 0.25 with CUDA, else 0)")
+    parser.add_argument("--group-runs", type=int, default=1, metavar="N",
+                        help="local engine, vectorize=true: train up to N runs together, their cohorts as one "
+                             "batched computation (runs with equal model, batch-size, local-epochs, lr, precision, "
+                             "device, threads, cuda-graphs and skip-padding-taps); default 1: one run at a time")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
     parser.add_argument("--verbose", action="store_true",
                         help="flower engine: show Flower's own log lines; Ray: each run's node and log lines")
@@ -123,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
               "(a Flower simulation there would start a second Ray): drop --engine flower", file=sys.stderr)
         return 2
     args.engine = "local" if args.ray_address else args.engine or "flower"
+    if args.group_runs != 1 and (args.engine != "local" or args.ray_address or args.group_runs < 1):
+        print("fedmask-sweep: --group-runs N (N >= 1) trains runs together in this process on the local engine: "
+              "add --engine local (not with --ray-address)", file=sys.stderr)
+        return 2
 
     try:
         runs = load_grid(args.grid)
@@ -134,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 refuse_local_engine_keys(cfg)
             if not args.ray_address:  # on a cluster the runs' nodes may have GPUs this machine lacks
                 refuse_graphs_without_cuda(cfg)
+            if args.group_runs > 1:
+                refuse_ungroupable(cfg)
     except ConfigError as exc:
         print(f"fedmask-sweep: {exc}", file=sys.stderr)
         return 2
@@ -155,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     complete = {run.name: is_complete(cfg.run_dir, cfg.num_rounds) for run, cfg in configs}
     pending = [(run, cfg) for run, cfg in configs if not complete[run.name]]
     where = f"local engine in Ray tasks at {args.ray_address}" if args.ray_address else f"{args.engine} engine"
+    if args.group_runs > 1:
+        groups = form_groups([cfg for _, cfg in pending], args.group_runs)
+        where += f", {len(groups)} group(s) of up to {args.group_runs} runs trained together"
     print(f"[sweep] {args.grid}: {len(runs)} runs, {len(runs) - len(pending)} complete, "
           f"{len(pending)} to run ({where}) -> {output_dir}")
     if args.dry_run:
@@ -174,35 +191,64 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep_here(pending: list[tuple[GridRun, RunConfig]], args: argparse.Namespace) -> list[str]:
-    """One run after another in this process (local engine) or through `flwr run` (flower)."""
+    """One run after another in this process (local engine) or through `flwr run` (flower); with
+    --group-runs, one group of runs trained together after another."""
     failed: list[str] = []
     execute = _run_flower if args.engine == "flower" else _run_local
+    groups = form_groups([cfg for _, cfg in pending], args.group_runs) if args.group_runs > 1 else None
+    batches = [[pending[i] for i in group] for group in groups] if groups else [[item] for item in pending]
+
     # Progress in client-epochs (rounds x K_c x tau), so the ETA weighs a tau = 5 round as five tau = 1 rounds.
     def work(cfg: RunConfig, rounds: int) -> int:
         return rounds * cfg.clients_per_round * cfg.local_epochs
 
     with tqdm(total=sum(work(cfg, cfg.num_rounds) for _, cfg in pending), unit="client-epoch",
               dynamic_ncols=True) as bar:
-        for index, (run, cfg) in enumerate(pending, 1):
-            bar.set_description(f"run {index}/{len(pending)} {run.name}")
+        for index, batch in enumerate(batches, 1):
+            names = " + ".join(run.name for run, _ in batch)
+            bar.set_description(f"{'group' if groups else 'run'} {index}/{len(batches)} {names}")
             done_before = bar.n
             started = time.perf_counter()
 
-            def on_round(line: str, cfg: RunConfig = cfg) -> None:
+            def on_round(line: str, cfg: RunConfig) -> None:
                 bar.update(work(cfg, 1))
-                tqdm.write(line)
+                tqdm.write(f"[{cfg.name}] {line}" if groups else line)
 
-            try:
-                execute(cfg, args, on_round)
-            except Exception as exc:  # report it and go on with the next run
-                tqdm.write(f"[sweep] {run.name} raised {type(exc).__name__}: {exc}")
-            if is_complete(cfg.run_dir, cfg.num_rounds):
-                tqdm.write(f"[sweep] {run.name} complete in {time.perf_counter() - started:.0f}s")
+            if groups:
+                errors = _run_group([cfg for _, cfg in batch], on_round)
             else:
-                failed.append(run.name)
-                tqdm.write(f"[sweep] {run.name} FAILED: rounds.csv is incomplete; see its output above")
-                bar.update(max(0, done_before + work(cfg, cfg.num_rounds) - bar.n))  # keep the ETA honest
+                errors = [_attempt(lambda cfg=batch[0][1]: execute(cfg, args, lambda line: on_round(line, cfg)))]
+            for (run, cfg), error in zip(batch, errors, strict=True):
+                if error is not None:  # report it and go on with the next run
+                    tqdm.write(f"[sweep] {run.name} raised {type(error).__name__}: {error}")
+                if is_complete(cfg.run_dir, cfg.num_rounds):
+                    tqdm.write(f"[sweep] {run.name} complete in {time.perf_counter() - started:.0f}s")
+                else:
+                    failed.append(run.name)
+                    tqdm.write(f"[sweep] {run.name} FAILED: rounds.csv is incomplete; see its output above")
+            planned = sum(work(cfg, cfg.num_rounds) for _, cfg in batch)
+            bar.update(max(0, done_before + planned - bar.n))  # keep the ETA honest after a failure
     return failed
+
+
+def _attempt(call) -> Exception | None:
+    try:
+        call()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _run_group(cfgs: list[RunConfig], on_round) -> list[Exception | None]:
+    from fedmask_app.engines.run_group import run_group
+
+    def echo_for(cfg: RunConfig):
+        return lambda line: on_round(line, cfg) if ROUND_LINE.search(line) else None
+
+    try:
+        return run_group(cfgs, [echo_for(cfg) for cfg in cfgs])
+    except Exception as exc:  # the group could not start: every run of it failed
+        return [exc] * len(cfgs)
 
 
 def _sweep_on_ray(pending: list[tuple[GridRun, RunConfig]], args: argparse.Namespace) -> list[str]:

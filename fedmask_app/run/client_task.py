@@ -16,7 +16,7 @@ from clients.cuda_graphs import CudaGraphCohortStep, CudaGraphStep
 from clients.masking import client_block_mask
 from clients.seeds import batch_order_seed
 from clients.streams import StreamedClients
-from clients.training import LocalTraining, as_array, as_tensor, local_update
+from clients.training import LocalResult, LocalTraining, as_array, as_tensor, local_update
 from clients.vectorized import vectorized_local_updates
 from fedmask_app.run.config import FaultInjection, RunConfig
 from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
@@ -129,10 +129,20 @@ class ClientTask:
     ) -> list[ClientReply]:
         """Every client of the cohort in one batched computation (``vectorize``): each reply is the
         one ``train`` gives, up to float rounding (clients/vectorized.py)."""
-        shards = [self.shard(pid) for pid in partition_ids]
-        generators = [self._batch_order(server_round, pid) for pid in partition_ids]
+        shards, generators = self.cohort_inputs(partition_ids, server_round)
         results = vectorized_local_updates(self.model, global_params, shards, local_training(self.cfg), generators,
                                            step=self._cohort_step)
+        return self.cohort_replies(partition_ids, server_round, sync_seed, keep_prob, results)
+
+    def cohort_inputs(self, partition_ids: list[int], server_round: int
+                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Generator]]:
+        """The cohort's shards and batch-order generators, as the vectorised step takes them."""
+        return ([self.shard(pid) for pid in partition_ids],
+                [self._batch_order(server_round, pid) for pid in partition_ids])
+
+    def cohort_replies(self, partition_ids: list[int], server_round: int, sync_seed: int | None,
+                       keep_prob: float | None, results: list[LocalResult]) -> list[ClientReply]:
+        """The cohort's replies from its clients' local results, in cohort order."""
         return [
             self._reply(pid, server_round, sync_seed, keep_prob, r.num_examples, r.train_loss, self._update(r.update))
             for pid, r in zip(partition_ids, results, strict=True)

@@ -6,6 +6,8 @@ in closed form)."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torchvision
 from torch import nn
@@ -32,6 +34,11 @@ def fedavg_cnn() -> nn.Sequential:
     )
 
 
+# Every model's default initialisation draws from torch's global generator: runs in threads of one
+# process (engines/run_group.py) build their models in turn, or θ_0's draws would interleave.
+_GLOBAL_GENERATOR = threading.Lock()
+
+
 def build_model(name: str, skip_padding_taps: bool = False) -> nn.Module:
     """``resnet18-gn``: torchvision's stem (7×7/2 conv + max-pool); ``resnet18-gn-cifar``: 3×3/1
     conv and no max-pool, the usual CIFAR stem (about 15× costlier on a CPU); ``cnn-fedavg``:
@@ -39,6 +46,11 @@ def build_model(name: str, skip_padding_taps: bool = False) -> nn.Module:
     (weight and bias: 2 blocks), for fast smoke runs. ``skip_padding_taps``: convolutions skip the
     kernel taps that only read zero padding (fedmask_app/run/live_taps.py): the same function and
     parameters, float rounding aside."""
+    with _GLOBAL_GENERATOR:
+        return _architecture(name, skip_padding_taps)
+
+
+def _architecture(name: str, skip_padding_taps: bool) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)}")
     if name == "linear-softmax":
@@ -55,9 +67,9 @@ def build_model(name: str, skip_padding_taps: bool = False) -> nn.Module:
 
 def initial_parameters(name: str, run_seed: int) -> list[torch.Tensor]:
     """θ_0: the model's default initialisation drawn under a seed derived from the run seed."""
-    with torch.random.fork_rng(devices=[]):
+    with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(run_seed, INIT))
-        model = build_model(name)
+        model = _architecture(name, skip_padding_taps=False)
     return [p.detach() for p in model.parameters()]
 
 

@@ -1,0 +1,186 @@
+"""Runs trained together: the cohorts of several runs as one batched computation (``fedmask-sweep
+--group-runs``), engine ``local-grouped``.
+
+Each run keeps its own round loop (run/loop.py: cohort, server step, statistics, evaluation,
+results, checkpoints, resume) in a thread of its own; only local training is joint. A run's
+thread hands its cohort to a ``Lockstep`` and waits; once every run still going has handed its
+cohort in, one call trains them all (``clients.vectorized.grouped_local_updates``: every client of
+every run stacked along vmap's dimension, each from its own run's θ), and each run goes on with its
+own replies. Clients never interact, so each run's Δ_k are the ones its vectorised run alone
+computes: in float64 to rounding, in float32 to the last digits (the grouped convolutions have more
+groups). Why: on a GPU one run's bs-32 cohort step leaves most of the device idle
+(README, "Measured on one H200"); runs of a sweep that train alike can fill it together.
+
+Runs train together when everything their local step depends on is equal (``TRAINING_KEYS``);
+seed, α, masking, aggregation, server step and measurements may differ. Importing this module
+imports neither flwr nor ray.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from clients.cuda_graphs import CudaGraphCohortStep
+from clients.vectorized import CohortStep, grouped_local_updates
+from fedmask_app.engines.local import local_train_round, resident_on
+from fedmask_app.run.client_task import ClientTask, local_training
+from fedmask_app.run.config import ConfigError, RunConfig
+from fedmask_app.run.device import pick_device, refuse_graphs_without_cuda
+from fedmask_app.run.loop import run_rounds
+from strategies.aggregate import ClientReply
+
+GROUPED_ENGINE = "local-grouped"
+# what a client's local step depends on besides its shard, its batch order and θ
+TRAINING_KEYS = ("model", "skip-padding-taps", "local-epochs", "batch-size", "lr", "precision", "device", "threads",
+                 "cuda-graphs")
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+class Lockstep(Generic[Item, Result]):
+    """Calls from the threads of ``members`` runs gathered into one: ``submit`` waits until every
+    member that has not left has submitted, then one call of ``joint`` serves them all (in the
+    thread of the last to arrive). A member that stops calls ``leave`` so that the others do not
+    wait for it. An exception of ``joint`` is raised in every thread of that call."""
+
+    def __init__(self, members: int, joint: Callable[[list[Item]], list[Result]]):
+        self._members = members
+        self._joint = joint
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Item, Future]] = []
+
+    def submit(self, item: Item) -> Result:
+        future: Future = Future()
+        with self._lock:
+            self._pending.append((item, future))
+            batch = self._take_when_all_in()
+        if batch:
+            self._serve(batch)
+        return future.result()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._members -= 1
+            batch = self._take_when_all_in()
+        if batch:
+            self._serve(batch)
+
+    def _take_when_all_in(self) -> list[tuple[Item, Future]]:
+        if not self._pending or len(self._pending) < self._members:
+            return []
+        batch, self._pending = self._pending, []
+        return batch
+
+    def _serve(self, batch: list[tuple[Item, Future]]) -> None:
+        try:
+            results = self._joint([item for item, _ in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"the joint call returned {len(results)} results for {len(batch)} calls")
+        except Exception as exc:
+            for _, future in batch:
+                future.set_exception(exc)
+            return
+        for (_, future), result in zip(batch, results, strict=True):
+            future.set_result(result)
+
+
+@dataclass(frozen=True)
+class CohortRequest:
+    """One run's cohort of a round, as ``TrainCohort`` receives it."""
+
+    task: ClientTask
+    cohort: list[int]
+    server_round: int
+    params: list
+    sync_seed: int | None
+    keep_prob: float
+
+
+def training_key(cfg: RunConfig) -> tuple:
+    """The values of ``TRAINING_KEYS``: runs with equal keys can train together."""
+    mapping = cfg.to_mapping()
+    return tuple(mapping[key] for key in TRAINING_KEYS)
+
+
+def refuse_ungroupable(cfg: RunConfig) -> None:
+    """A run that cannot train in a group, refused by name before anything starts."""
+    if not cfg.vectorize:
+        raise ConfigError(f"run {cfg.name}: runs trained together (--group-runs) need vectorize = true: their "
+                          "cohorts train as one vectorised computation")
+    if cfg.inject_fault:
+        raise ConfigError(f"run {cfg.name}: inject-fault needs a run of its own (vectorize = false): "
+                          "a vectorised step trains all clients at once")
+
+
+def form_groups(cfgs: Sequence[RunConfig], size: int) -> list[list[int]]:
+    """Indices of ``cfgs`` in groups of at most ``size`` runs with equal ``training_key``, in the
+    order the runs first appear."""
+    if size < 1:
+        raise ValueError(f"group size must be >= 1, got {size}")
+    by_key: dict[tuple, list[list[int]]] = {}
+    for index, cfg in enumerate(cfgs):
+        chunks = by_key.setdefault(training_key(cfg), [[]])
+        if len(chunks[-1]) == size:
+            chunks.append([])
+        chunks[-1].append(index)
+    return sorted((chunk for chunks in by_key.values() for chunk in chunks), key=lambda chunk: chunk[0])
+
+
+def train_together(step: CohortStep, requests: list[CohortRequest]) -> list[list[ClientReply]]:
+    """Every request's cohort in one ``grouped_local_updates``; each run's replies, in request order."""
+    inputs = [r.task.cohort_inputs(r.cohort, r.server_round) for r in requests]
+    results = grouped_local_updates(step.model, [r.params for r in requests], [shards for shards, _ in inputs],
+                                    step.training, [generators for _, generators in inputs], step=step)
+    return [r.task.cohort_replies(r.cohort, r.server_round, r.sync_seed, r.keep_prob, run_results)
+            for r, run_results in zip(requests, results, strict=True)]
+
+
+def run_group(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]] | None = None
+              ) -> list[Exception | None]:
+    """Run ``cfgs`` to the end with their cohorts trained together; what each run raised (None: it
+    finished). A run that stops leaves the others going. A set of runs that cannot train together
+    raises ``ConfigError`` before anything is written."""
+    if not cfgs:
+        return []
+    for cfg in cfgs:
+        refuse_ungroupable(cfg)
+    if len({training_key(cfg) for cfg in cfgs}) > 1:
+        raise ConfigError("runs trained together need equal " + ", ".join(TRAINING_KEYS) + "; these differ")
+    if len({cfg.run_dir for cfg in cfgs}) < len(cfgs):
+        raise ConfigError("two runs of the group write to the same run folder")
+    device = pick_device(cfgs[0])
+    refuse_graphs_without_cuda(cfgs[0], device)
+    tasks = [ClientTask(cfg, resident=resident_on(device)) for cfg in cfgs]
+    model, training = tasks[0].model, local_training(cfgs[0])
+    step = CudaGraphCohortStep(model, training) if cfgs[0].cuda_graphs else CohortStep(model, training)
+    lockstep: Lockstep[CohortRequest, list[ClientReply]] = Lockstep(len(cfgs), lambda r: train_together(step, r))
+    echoes = echoes or [print] * len(cfgs)
+    errors: list[Exception | None] = [None] * len(cfgs)
+
+    def run(index: int) -> None:
+        task = tasks[index]
+
+        def train_cohort(cohort: list[int], server_round: int, params: list[np.ndarray], sync_seed: int | None,
+                         keep_prob: float) -> tuple[list[ClientReply], list[str]]:
+            return lockstep.submit(CohortRequest(task, cohort, server_round, params, sync_seed, keep_prob)), []
+
+        try:
+            run_rounds(task.cfg, GROUPED_ENGINE, local_train_round(task.cfg, train_cohort), echo=echoes[index])
+        except Exception as exc:  # reported to the caller; the other runs go on
+            errors[index] = exc
+        finally:
+            lockstep.leave()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"fedmask-run-{cfg.name}") for i, cfg in enumerate(cfgs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
