@@ -25,6 +25,12 @@ measured τ, plus one test-set evaluation per round.
 each on a CUDA stream of its own: runs in separate processes take turns on a GPU (without MPS
 it time-slices between them), while kernels of one process's streams can run at the same time.
 
+``--grouped N ...`` times N runs (seeds 0..N-1) trained together as ``fedmask-sweep --group-runs N``
+trains them (fedmask_app/engines/run_group.py: their cohorts as one vmapped computation, on
+``--grouped-path``), a group of one first as the baseline, and prints their summed images/s against
+the group of one's; with all three cells timed, the protocol's projection with each cell's seeds
+trained together.
+
 ``--concurrent N ...`` also starts N copies of this script at once (float32, ``--concurrent-path``,
 the ``--concurrent-cells``, one after another with a barrier before each cell's timed rounds, so that their
 timed rounds overlap), as N runs of a sweep sharing one GPU would (``fedmask-sweep --ray-address
@@ -55,6 +61,7 @@ import numpy as np
 import torch
 
 from fedmask_app.engines.local import in_process, local_train_round, resident_on
+from fedmask_app.engines.run_group import TrainingGroup
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import RunConfig, pyproject_defaults, run_config_from_values
 from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME, load_cifar10, normalize
@@ -112,6 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the cells --concurrent and --threaded time (default: bs32-tau2, the launch-bound one)")
     parser.add_argument("--concurrent-path", choices=[p[0] for p in PATHS], default="sequential",
                         help="the path --concurrent and --threaded time (float32)")
+    parser.add_argument("--grouped", nargs="*", type=int, default=[],
+                        help="also time N runs trained together (fedmask-sweep --group-runs N; float32, "
+                             "--grouped-path, the --concurrent-cells), for each N given, against a group of one")
+    parser.add_argument("--grouped-path", choices=("vectorised", "vec-graphs"), default="vectorised",
+                        help="the path --grouped times")
+    parser.add_argument("--grouped-precision", choices=PRECISIONS, default="float32",
+                        help="the precision --grouped times")
     parser.add_argument("--skip-padding-taps", action="store_true",
                         help="every configuration with skip-padding-taps = true (convolutions skip padding-only taps)")
     parser.add_argument("--eval-batch-sizes", nargs="*", type=int, default=[],
@@ -422,6 +436,89 @@ def time_threaded(args: argparse.Namespace, counts: list[int], base: dict, shard
     return ok
 
 
+def grouped_timing(n: int, values: dict, shards: dict | None, args: argparse.Namespace) -> Timing:
+    """``args.rounds`` rounds of n runs (seeds 0..n-1 of ``values``) trained together, each run's
+    round loop in a thread of its own as ``run_group`` runs it, after ``args.warmup`` untimed rounds
+    (where a CUDA graph is captured). Seconds and training seconds are per round of all n runs;
+    images/s is their sum; the server steps overlap the waiting, so ``server_seconds`` is 0."""
+    cfgs = [run_config_from_values({**values, "seed": seed, "run-name": f"grouped-{seed}"}) for seed in range(n)]
+    device = compute_setup(cfgs[0])[0]
+    group = TrainingGroup(cfgs, shards)
+    for task in group.tasks:
+        for partition_id in range(task.cfg.num_clients):
+            task.shard(partition_id)
+    barrier = threading.Barrier(n + 1, timeout=600)
+    images, errors = [0] * n, []
+
+    def work(index: int) -> None:
+        cfg, train_round = cfgs[index], group.train_round(index)
+        params = [p.numpy() for p in initial_parameters(cfg.model, cfg.seed)]
+        try:
+            for server_round in range(1, args.warmup + args.rounds + 1):
+                if server_round == args.warmup + 1:
+                    barrier.wait()
+                outcome = train_round(server_round, params, cfg.keep_prob, None)
+                params = outcome.result.params
+                if server_round > args.warmup:
+                    images[index] += cfg.local_epochs * outcome.result.num_examples
+            sync(device)
+        except Exception as exc:
+            errors.append(exc)
+            barrier.abort()
+        finally:
+            group.leave()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    seconds = (time.perf_counter() - started) / args.rounds
+    if errors:
+        raise errors[0]
+    return Timing(seconds, sum(images) / (seconds * args.rounds), seconds, 0.0)
+
+
+def time_grouped(args: argparse.Namespace, counts: list[int], base: dict, shards: dict | None,
+                 eval_s: float | None, test_images: int) -> bool:
+    """Groups of 1 and of each N in ``counts`` per cell: seconds per round of the whole group, summed
+    images/s, the ratio to the group of one. Returns whether every timing succeeded."""
+    precision, path = args.grouped_precision, args.grouped_path
+    print(f"\n# GROUPED: N runs trained together (fedmask-sweep --group-runs N: their cohorts as one vmapped "
+          f"computation; {precision}, {path}, seeds 0..N-1, a thread per run); summed images/s against a group "
+          "of one, timed in this run", flush=True)
+    ok, by_count = True, {}
+    for cell, bs, tau in (c for c in CELLS if c[0] in args.concurrent_cells):
+        values = config_values(base, precision, path, bs, tau)
+        one = None
+        for n in [1, *counts]:
+            try:
+                timing = grouped_timing(n, values, shards, args)
+            except Exception as exc:
+                print(f"grouped N={n:2d} {cell:10s}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                ok = False
+                continue
+            finally:
+                release_memory()  # the group's tasks and their shards
+            one = timing if n == 1 else one
+            gain = f"{timing.images_per_s / one.images_per_s:5.2f}x a group of one" if one else "no group of one"
+            print(f"grouped N={n:2d} {cell:10s}: {timing.seconds:8.3f} s per round of all {n} runs, "
+                  f"{timing.images_per_s:10.0f} images/s summed, {gain}", flush=True)
+            by_count.setdefault(n, {})[bs] = Timing(timing.seconds / n, timing.images_per_s, timing.seconds / n, 0.0)
+    for n, timings in by_count.items():
+        if n > 1 and len(timings) == len(CELLS) and eval_s is not None:
+            grid1, grid2 = protocol_hours(timings, eval_s, TEST_IMAGES / test_images)
+            print(f"projection {precision:8s} {path}, {n} runs trained together: grid 1 {grid1:7.2f} h + grid 2 "
+                  f"extra {grid2:6.2f} h = {grid1 + grid2:7.2f} h of device time (each cell's seeds together, "
+                  "server steps counted inside the group's round)", flush=True)
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time every configuration, print the projection; exit status 1 when a configuration failed."""
     args = parse_args(argv)
@@ -474,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
             time_concurrent(args, args.concurrent, single_rates)
         if args.threaded:
             failed |= not time_threaded(args, args.threaded, base, shards, single_rates)
+        if args.grouped:
+            failed |= not time_grouped(args, args.grouped, base, shards, eval_seconds.get(args.grouped_precision),
+                                       args.test_images)
     print(f"# gpu_timing took {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
 

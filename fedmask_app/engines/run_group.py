@@ -32,7 +32,7 @@ from fedmask_app.engines.local import local_train_round, resident_on
 from fedmask_app.run.client_task import ClientTask, local_training
 from fedmask_app.run.config import ConfigError, RunConfig
 from fedmask_app.run.device import pick_device, refuse_graphs_without_cuda
-from fedmask_app.run.loop import run_rounds
+from fedmask_app.run.loop import TrainRound, run_rounds
 from strategies.aggregate import ClientReply
 
 GROUPED_ENGINE = "local-grouped"
@@ -142,6 +142,42 @@ def train_together(step: CohortStep, requests: list[CohortRequest]) -> list[list
             for r, run_results in zip(requests, results, strict=True)]
 
 
+class TrainingGroup:
+    """Runs whose cohorts train together: one ``ClientTask`` per run, one cohort step for all, and
+    the ``Lockstep`` that gathers their cohorts. ``train_round(i)`` is run i's ``TrainRound``; a
+    thread that stops calling it calls ``leave``. ``shard_arrays``: every run's shards given
+    (benchmarks), else each run's own partition of CIFAR-10."""
+
+    def __init__(self, cfgs: Sequence[RunConfig], shard_arrays: dict | None = None):
+        if not cfgs:
+            raise ConfigError("a group needs at least one run")
+        for cfg in cfgs:
+            refuse_ungroupable(cfg)
+        if len({training_key(cfg) for cfg in cfgs}) > 1:
+            raise ConfigError("runs trained together need equal " + ", ".join(TRAINING_KEYS) + "; these differ")
+        if len({cfg.run_dir for cfg in cfgs}) < len(cfgs):
+            raise ConfigError("two runs of the group write to the same run folder")
+        device = pick_device(cfgs[0])
+        refuse_graphs_without_cuda(cfgs[0], device)
+        self.tasks = [ClientTask(cfg, shard_arrays, resident=resident_on(device)) for cfg in cfgs]
+        model, training = self.tasks[0].model, local_training(cfgs[0])
+        step = CudaGraphCohortStep(model, training) if cfgs[0].cuda_graphs else CohortStep(model, training)
+        self._lockstep: Lockstep[CohortRequest, list[ClientReply]] = Lockstep(
+            len(cfgs), lambda requests: train_together(step, requests))
+
+    def train_round(self, index: int) -> TrainRound:
+        task = self.tasks[index]
+
+        def train_cohort(cohort: list[int], server_round: int, params: list[np.ndarray], sync_seed: int | None,
+                         keep_prob: float) -> tuple[list[ClientReply], list[str]]:
+            return self._lockstep.submit(CohortRequest(task, cohort, server_round, params, sync_seed, keep_prob)), []
+
+        return local_train_round(task.cfg, train_cohort)
+
+    def leave(self) -> None:
+        self._lockstep.leave()
+
+
 def run_group(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]] | None = None
               ) -> list[Exception | None]:
     """Run ``cfgs`` to the end with their cohorts trained together; what each run raised (None: it
@@ -149,34 +185,17 @@ def run_group(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]]
     raises ``ConfigError`` before anything is written."""
     if not cfgs:
         return []
-    for cfg in cfgs:
-        refuse_ungroupable(cfg)
-    if len({training_key(cfg) for cfg in cfgs}) > 1:
-        raise ConfigError("runs trained together need equal " + ", ".join(TRAINING_KEYS) + "; these differ")
-    if len({cfg.run_dir for cfg in cfgs}) < len(cfgs):
-        raise ConfigError("two runs of the group write to the same run folder")
-    device = pick_device(cfgs[0])
-    refuse_graphs_without_cuda(cfgs[0], device)
-    tasks = [ClientTask(cfg, resident=resident_on(device)) for cfg in cfgs]
-    model, training = tasks[0].model, local_training(cfgs[0])
-    step = CudaGraphCohortStep(model, training) if cfgs[0].cuda_graphs else CohortStep(model, training)
-    lockstep: Lockstep[CohortRequest, list[ClientReply]] = Lockstep(len(cfgs), lambda r: train_together(step, r))
+    group = TrainingGroup(cfgs)
     echoes = echoes or [print] * len(cfgs)
     errors: list[Exception | None] = [None] * len(cfgs)
 
     def run(index: int) -> None:
-        task = tasks[index]
-
-        def train_cohort(cohort: list[int], server_round: int, params: list[np.ndarray], sync_seed: int | None,
-                         keep_prob: float) -> tuple[list[ClientReply], list[str]]:
-            return lockstep.submit(CohortRequest(task, cohort, server_round, params, sync_seed, keep_prob)), []
-
         try:
-            run_rounds(task.cfg, GROUPED_ENGINE, local_train_round(task.cfg, train_cohort), echo=echoes[index])
+            run_rounds(cfgs[index], GROUPED_ENGINE, group.train_round(index), echo=echoes[index])
         except Exception as exc:  # reported to the caller; the other runs go on
             errors[index] = exc
         finally:
-            lockstep.leave()
+            group.leave()
 
     threads = [threading.Thread(target=run, args=(i,), name=f"fedmask-run-{cfg.name}") for i, cfg in enumerate(cfgs)]
     for thread in threads:
