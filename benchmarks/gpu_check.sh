@@ -2,19 +2,20 @@
 # The GPU check, run as is on a bare GPU machine from a copy of the repo tree (no install, no
 # network, no flwr/ray): python3 with torch, torchvision, numpy, pandas, filelock; PYTHONPATH=.
 #
-#   bash benchmarks/gpu_check.sh                # on the GPU machine: about 8 minutes on one H200
+#   bash benchmarks/gpu_check.sh                # on the GPU machine: meant to take about 9 minutes on one H200
 #   bash benchmarks/gpu_check.sh --cpu-smoke    # the same steps, tiny, on a CPU (about a minute)
 #
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
 # (control, repetition, CUDA graphs against eager, client streams against one by one, device-resident
 # against host rounds, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py in float32 (rounds per cell and
-# path, each split into training and server step; the protocol's projected time; the evaluation; 2
-# and 4 runs in threads of one process), 5 the same in tf32 and bf16 on the two replayed cohort
-# paths (client streams and vectorised, with CUDA graphs), 6 benchmarks/step_profile.py (one bs-32
-# step per path: wall against kernel time, the costliest kernels), 7 the server step on the device
-# against numpy on the host, 8 the bs-32 cell again with skip-padding-taps. The order is by weight:
-# when the call's time runs out, the tail is what is lost.
+# path, each split into training and server step; the protocol's projected time; the evaluation; 4
+# runs in threads of one process), 5 runs trained together (fedmask-sweep --group-runs: 1, 3 and 9
+# runs' cohorts as one computation, tf32, every cell, with the projection), 6 step 4's timing in tf32
+# and bf16 on the two replayed cohort paths (client streams and vectorised, with CUDA graphs), 7
+# benchmarks/step_profile.py (one bs-32 step per path: wall against kernel time, the costliest
+# kernels), 8 the server step on the device against numpy on the host, 9 the bs-32 cell again with
+# skip-padding-taps. The order is by weight: when the call's time runs out, the tail is what is lost.
 # Every step runs, each under a time limit; the exit status is 1 when one failed.
 # GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
 
@@ -95,12 +96,12 @@ if [[ $SMOKE != 1 ]] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.
 fi
 step "imports without flwr/ray" 30 "$PY" -c "$IMPORTS_PY"
 step "data" 30 "$PY" -c "$DATA_PY" "$DATA_DIR"
-step "tests/test_cuda.py" 150 "$PY" tests/test_cuda.py
+step "tests/test_cuda.py" 180 "$PY" tests/test_cuda.py
 if [[ $SMOKE == 1 ]]; then
     step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cpu --steps 1 --clients 2 \
         --paths sequential vectorised --top 3 --cudnn-benchmark
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
-        --concurrent 2 --threaded 2 --eval-batch-sizes 100
+        --concurrent 2 --threaded 2 --grouped 2 --eval-batch-sizes 100
     step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
         --data-dir "$DATA_DIR" --paths vectorised --precisions float32 --residency both
 else
@@ -108,10 +109,14 @@ else
     # --budget-s skips the configurations left once that many seconds have passed; --config-cap-s ends
     # one configuration's timed rounds after that many seconds (at least one round is timed).
     # float32 (the default precision): the cohort paths, new first, the sequential baseline, the
-    # evaluation at another batch size, then 2 and 4 runs in threads of one process on streams-graphs
-    step "benchmarks/gpu_timing.py float32" 270 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths streams-graphs vec-graphs streams sequential vectorised --precisions float32 --budget-s 140 \
-        --config-cap-s 6 --eval-batch-sizes 2500 --threaded 2 4 --concurrent-path streams-graphs
+    # evaluation at another batch size, then 4 runs in threads of one process on streams-graphs
+    step "benchmarks/gpu_timing.py float32" 240 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --paths streams-graphs vec-graphs streams sequential vectorised --precisions float32 --budget-s 120 \
+        --config-cap-s 6 --eval-batch-sizes 2500 --threaded 4 --concurrent-path streams-graphs
+    # runs trained together (fedmask-sweep --group-runs N), each cell, with its projection
+    step "benchmarks/gpu_timing.py --grouped" 130 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --paths --precisions tf32 --grouped 3 9 --grouped-path vec-graphs --grouped-precision tf32 \
+        --concurrent-cells bs32-tau2 bs128-tau1 full-tau1 --rounds 2 --budget-s 90 --test-images 2000
     # tf32 and bf16 on the two replayed cohort paths
     step "benchmarks/gpu_timing.py tf32 bf16" 120 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
         --paths streams-graphs vec-graphs --precisions tf32 bf16 --budget-s 60 --config-cap-s 5

@@ -109,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config-cap-s", type=float, default=0.0,
                         help="stop a configuration's timed rounds once it has run this long (0: none)")
     parser.add_argument("--cells", nargs="+", choices=[c[0] for c in CELLS], default=[c[0] for c in CELLS])
-    parser.add_argument("--paths", nargs="+", choices=[p[0] for p in PATHS], default=[p[0] for p in PATHS])
+    parser.add_argument("--paths", nargs="*", choices=[p[0] for p in PATHS], default=[p[0] for p in PATHS],
+                        help="the paths timed per cell and precision (none: only --grouped/--threaded/--concurrent)")
     parser.add_argument("--concurrent", nargs="*", type=int, default=[],
                         help="also time N processes at once (float32, --concurrent-path), for each N given")
     parser.add_argument("--threaded", nargs="*", type=int, default=[],
@@ -447,7 +448,7 @@ def grouped_timing(n: int, values: dict, shards: dict | None, args: argparse.Nam
     for task in group.tasks:
         for partition_id in range(task.cfg.num_clients):
             task.shard(partition_id)
-    barrier = threading.Barrier(n + 1, timeout=600)
+    barrier = threading.Barrier(n + 1)  # no timeout: a failing thread aborts it
     images, errors = [0] * n, []
 
     def work(index: int) -> None:
@@ -485,7 +486,7 @@ def grouped_timing(n: int, values: dict, shards: dict | None, args: argparse.Nam
 
 
 def time_grouped(args: argparse.Namespace, counts: list[int], base: dict, shards: dict | None,
-                 eval_s: float | None, test_images: int) -> bool:
+                 eval_s: float | None, test_images: int, started: float) -> bool:
     """Groups of 1 and of each N in ``counts`` per cell: seconds per round of the whole group, summed
     images/s, the ratio to the group of one. Returns whether every timing succeeded."""
     precision, path = args.grouped_precision, args.grouped_path
@@ -497,6 +498,9 @@ def time_grouped(args: argparse.Namespace, counts: list[int], base: dict, shards
         values = config_values(base, precision, path, bs, tau)
         one = None
         for n in [1, *counts]:
+            if args.budget_s and time.perf_counter() - started > args.budget_s:
+                print(f"grouped N={n:2d} {cell:10s}: skipped (past --budget-s {args.budget_s:g})", flush=True)
+                continue
             try:
                 timing = grouped_timing(n, values, shards, args)
             except Exception as exc:
@@ -573,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
             failed |= not time_threaded(args, args.threaded, base, shards, single_rates)
         if args.grouped:
             failed |= not time_grouped(args, args.grouped, base, shards, eval_seconds.get(args.grouped_precision),
-                                       args.test_images)
+                                       args.test_images, started)
     print(f"# gpu_timing took {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
 

@@ -1,7 +1,7 @@
 """The local engine on CUDA (skipped without a CUDA device): the identical-shards control, bitwise
 repetition (sequential, vectorised, CUDA graphs, client streams), CUDA graphs against the eager
 step, client streams against one client at a time, rounds reduced on the device against rounds
-reduced on the host, and how far CUDA's numbers lie from the CPU's (printed: a measurement, not a
+reduced on the host, runs trained together (``--group-runs``) against each run alone, and how far CUDA's numbers lie from the CPU's (printed: a measurement, not a
 bound).
 
 Small configurations (20 clients, 4 a round, shards of 64 images, 200 test images) on the data
@@ -32,6 +32,7 @@ except ImportError:  # a bare GPU machine: run as a script, see main()
 
 import fedmask_app.engines.local as local
 from fedmask_app.engines.local import run_local
+from fedmask_app.engines.run_group import run_group
 from fedmask_app.run.config import run_config_from_values
 from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME
 
@@ -136,6 +137,40 @@ def test_device_resident_rounds_are_the_host_rounds(tmp_path: Path) -> None:
         compare_runs(f"{path}: device-resident vs host rounds", runs[1], runs[0], 1e-6)
 
 
+def run_together(out: Path, names: list[str], **values) -> list[tuple[pd.DataFrame, list[np.ndarray]]]:
+    """Small runs trained together (engines/run_group.py), seeds 0, 1, ...: each one's rounds.csv
+    and final θ (from its checkpoint)."""
+    cfgs = [run_config_from_values({**SMALL, "data-dir": str(data_dir()), "output-dir": str(out), "run-name": name,
+                                    "vectorize": True, "seed": seed, "checkpoint-every": values["num-rounds"],
+                                    **values})
+            for seed, name in enumerate(names)]
+    errors = run_group(cfgs, [lambda _: None] * len(cfgs))
+    assert errors == [None] * len(cfgs), errors
+    results = []
+    for cfg in cfgs:
+        rows = pd.read_csv(cfg.run_dir / "rounds.csv")
+        theta = [t.numpy() for t in torch.load(cfg.run_dir / "checkpoint.pt", weights_only=True)["params"]]
+        results.append((rows, theta))
+    return results
+
+
+def test_runs_trained_together_on_cuda(tmp_path: Path) -> None:
+    """Two runs trained together (fedmask-sweep --group-runs): the identical-shards control gives
+    K_c; with cuda-graphs the eager group's rows (round 1 within 1e-5); and each run's rows lie
+    within 5e-4 of its vectorised run alone in round 1 (10x the CPU-vs-CUDA difference of 1/dS
+    measured on an H200, README), the differences printed."""
+    for rows, _ in run_together(tmp_path, ["control-0", "control-1"], **{"identical-shards": True, "num-rounds": 2}):
+        np.testing.assert_allclose(rows[["recovery", "recovery_weighted"]].to_numpy(), SMALL["clients-per-round"],
+                                   rtol=1e-6)
+    common = {"num-rounds": 3, "max-shard-size": 80}  # 2 full batches + 16
+    eager = run_together(tmp_path, ["group-0", "group-1"], **common)
+    graphed = run_together(tmp_path, ["group-graphs-0", "group-graphs-1"], **common, **{"cuda-graphs": True})
+    for seed in (0, 1):
+        compare_runs(f"run {seed} trained together: cuda-graphs vs eager", eager[seed], graphed[seed], 1e-5)
+        alone = run(tmp_path, f"alone-{seed}", seed=seed, vectorize=True, **common)
+        compare_runs(f"run {seed}: trained together vs alone (vectorised)", alone, eager[seed], 5e-4)
+
+
 def compare_runs(label: str, reference: tuple[pd.DataFrame, list[np.ndarray]],
                  other: tuple[pd.DataFrame, list[np.ndarray]], first_round_tolerance: float) -> None:
     """Print the worst relative difference of the COMPARED columns over all rounds and of θ;
@@ -195,6 +230,7 @@ TESTS: tuple[Callable[[Path], None], ...] = (
     test_cuda_graphs_replay_the_eager_step,
     test_client_streams_give_the_sequential_rows,
     test_device_resident_rounds_are_the_host_rounds,
+    test_runs_trained_together_on_cuda,
     test_cuda_and_cpu_rows_differ_by,
 )
 
