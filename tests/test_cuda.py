@@ -1,8 +1,8 @@
 """The local engine on CUDA (skipped without a CUDA device): the identical-shards control, bitwise
 repetition (sequential, vectorised, CUDA graphs, client streams), CUDA graphs against the eager
 step, client streams against one client at a time, rounds reduced on the device against rounds
-reduced on the host, runs trained together (``--group-runs``) against each run alone, and how far CUDA's numbers lie from the CPU's (printed: a measurement, not a
-bound).
+reduced on the host, runs trained together (``--group-runs``) against each run alone, and how far
+CUDA's numbers lie from the CPU's (printed: a measurement, not a bound).
 
 Small configurations (20 clients, 4 a round, shards of 64 images, 200 test images) on the data
 in $FEDMASK_GPU_DATA_DIR, else ``.gpu-data/`` (the subset benchmarks/gpu_subset.py writes), else

@@ -172,6 +172,7 @@ def test_a_sweep_with_group_runs_trains_its_runs_together(tmp_path, capsys):
                        "model='linear-softmax'"]) == 0
     printed = capsys.readouterr()
     assert "2 group(s) of up to 2 runs trained together" in printed.out
+    assert "runs trained together are meant for GPUs" in printed.out
     assert "4 runs completed, 0 failed" in printed.out
     for folder in out.iterdir():
         assert len(pd.read_csv(folder / "rounds.csv")) == 3

@@ -27,7 +27,7 @@ from fedmask_app.run.config import (
     refuse_local_engine_keys,
     run_config_from_values,
 )
-from fedmask_app.run.device import refuse_graphs_without_cuda
+from fedmask_app.run.device import pick_device, refuse_graphs_without_cuda
 from fedmask_app.run.results import ResultsError, is_complete, stored_differences
 from fedmask_app.sweep.grid import GridRun, load_grid
 
@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         where += f", {len(groups)} group(s) of up to {args.group_runs} runs trained together"
     print(f"[sweep] {args.grid}: {len(runs)} runs, {len(runs) - len(pending)} complete, "
           f"{len(pending)} to run ({where}) -> {output_dir}")
+    if args.group_runs > 1 and any(_trains_on_cpu(cfg) for _, cfg in pending):
+        print("[sweep] note: runs trained together are meant for GPUs; on a CPU they are slower than one run at a "
+              "time (README, Runs trained together)")
     if args.dry_run:
         for run, _ in configs:
             state = "complete" if complete[run.name] else "to run"
@@ -229,6 +232,13 @@ def _sweep_here(pending: list[tuple[GridRun, RunConfig]], args: argparse.Namespa
             planned = sum(work(cfg, cfg.num_rounds) for _, cfg in batch)
             bar.update(max(0, done_before + planned - bar.n))  # keep the ETA honest after a failure
     return failed
+
+
+def _trains_on_cpu(cfg: RunConfig) -> bool:
+    try:
+        return pick_device(cfg).type == "cpu"
+    except RuntimeError:  # device = "cuda" without one: the run reports it
+        return False
 
 
 def _attempt(call) -> Exception | None:

@@ -161,7 +161,12 @@ class TrainingGroup:
         refuse_graphs_without_cuda(cfgs[0], device)
         self.tasks = [ClientTask(cfg, shard_arrays, resident=resident_on(device)) for cfg in cfgs]
         model, training = self.tasks[0].model, local_training(cfgs[0])
-        step = CudaGraphCohortStep(model, training) if cfgs[0].cuda_graphs else CohortStep(model, training)
+        # On a CPU oneDNN's backward of a grouped convolution falls off a cliff past ~20 groups (30
+        # clients at once: 0.12x one at a time, docs/cpu/vectorized-30-clients.log); vmap in chunks
+        # of one cohort keeps it to the vectorised run's own speed.
+        chunk_size = max(cfg.clients_per_round for cfg in cfgs) if device.type == "cpu" else None
+        step = (CudaGraphCohortStep(model, training) if cfgs[0].cuda_graphs
+                else CohortStep(model, training, chunk_size))
         self._lockstep: Lockstep[CohortRequest, list[ClientReply]] = Lockstep(
             len(cfgs), lambda requests: train_together(step, requests))
 
