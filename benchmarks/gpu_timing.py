@@ -303,6 +303,8 @@ def protocol_hours(timings: dict, eval_s: float, eval_scale: float) -> tuple[flo
 
 def print_projection(results: dict, eval_seconds: dict, test_images: int) -> None:
     """One line per precision and path that has all three cells measured."""
+    if not results:  # --paths given none
+        return
     print("\n# PROJECTION from measured rounds (not measured runs): paper protocol = grid 1 (bs {32,128,full} × "
           f"τ {{1,2,5}}, 9 cells) + grid 2's 2 extra cells (bs 32 τ 2, α 1 and 0.1) = 11 cells × {SEEDS} seeds × "
           f"{ROUNDS} rounds, K_c = {K_C} × n_k = {N_K}; τ scales a cell's training time linearly from the measured τ "
