@@ -16,7 +16,6 @@ import torch
 from clients.cuda_graphs import CudaGraphCohortStep
 from clients.training import LocalTraining
 from clients.vectorized import grouped_local_updates, vectorized_local_updates
-from fedmask_app.cli import sweep
 from fedmask_app.engines.local import run_local
 from fedmask_app.engines.run_group import Lockstep, form_groups, run_group
 from fedmask_app.run.config import ConfigError, run_config_from_values
@@ -160,6 +159,8 @@ def test_groups_are_formed_from_runs_that_train_alike_and_others_are_refused(tmp
 
 @pytest.mark.slow
 def test_a_sweep_with_group_runs_trains_its_runs_together(tmp_path, capsys):
+    from fedmask_app.cli import sweep  # imports flwr: the GPU image has none (gpu_check.sh runs without it)
+
     out = tmp_path / "out"
     common = ["conf/tiny/grid.toml", "--output-dir", str(out), f'data-dir="{SHARED}"', "threads=1"]
     assert sweep.main([*common, "--engine", "local", "--group-runs", "2"]) == 2
