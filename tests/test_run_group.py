@@ -169,8 +169,13 @@ def test_a_sweep_with_group_runs_trains_its_runs_together(tmp_path, capsys):
     assert "add --engine local" in capsys.readouterr().err
     assert not out.exists()
 
-    assert sweep.main([*common, "--engine", "local", "--group-runs", "2", "vectorize=true",
-                       "model='linear-softmax'"]) == 0
+    grouped = [*common, "--engine", "local", "--group-runs", "2", "vectorize=true", "model='linear-softmax'"]
+    assert sweep.main([*grouped, "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    for seed in (0, 1):
+        assert f"batch-size=32_seed={seed}: to run (group 1)" in listing
+        assert f"batch-size=full_seed={seed}: to run (group 2)" in listing
+    assert sweep.main(grouped) == 0
     printed = capsys.readouterr()
     assert "2 group(s) of up to 2 runs trained together" in printed.out
     assert "runs trained together are meant for GPUs" in printed.out

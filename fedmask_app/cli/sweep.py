@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     complete = {run.name: is_complete(cfg.run_dir, cfg.num_rounds) for run, cfg in configs}
     pending = [(run, cfg) for run, cfg in configs if not complete[run.name]]
     where = f"local engine in Ray tasks at {args.ray_address}" if args.ray_address else f"{args.engine} engine"
-    if args.group_runs > 1:
-        groups = form_groups([cfg for _, cfg in pending], args.group_runs)
+    groups = form_groups([cfg for _, cfg in pending], args.group_runs) if args.group_runs > 1 else []
+    if groups:
         where += f", {len(groups)} group(s) of up to {args.group_runs} runs trained together"
     print(f"[sweep] {args.grid}: {len(runs)} runs, {len(runs) - len(pending)} complete, "
           f"{len(pending)} to run ({where}) -> {output_dir}")
@@ -178,9 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         print("[sweep] note: runs trained together are meant for GPUs; on a CPU they are slower than one run at a "
               "time (README, Runs trained together)")
     if args.dry_run:
+        group_of = {pending[i][0].name: number for number, group in enumerate(groups, 1) for i in group}
         for run, _ in configs:
             state = "complete" if complete[run.name] else "to run"
-            print(f"  {run.name}: {state}")
+            print(f"  {run.name}: {state}" + (f" (group {group_of[run.name]})" if run.name in group_of else ""))
         return 0
 
     try:

@@ -202,7 +202,9 @@ def run_group(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]]
         finally:
             group.leave()
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"fedmask-run-{cfg.name}") for i, cfg in enumerate(cfgs)]
+    # daemon: Ctrl-C stops the sweep's main thread, and the runs with it, as it stops a run of its own
+    threads = [threading.Thread(target=run, args=(i,), name=f"fedmask-run-{cfg.name}", daemon=True)
+               for i, cfg in enumerate(cfgs)]
     for thread in threads:
         thread.start()
     for thread in threads:
