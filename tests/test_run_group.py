@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +103,27 @@ def test_an_error_of_the_joint_call_reaches_every_member_of_that_call():
     for thread in threads:
         thread.join(timeout=30)
     assert raised == ["out of memory", "out of memory"]
+
+
+def test_a_stopped_lockstep_fails_the_waiting_member_and_every_later_call():
+    lockstep: Lockstep[int, int] = Lockstep(2, lambda items: items)
+    outcome: list[str] = []
+
+    def member() -> None:
+        try:
+            lockstep.submit(1)
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+
+    waiting = threading.Thread(target=member)
+    waiting.start()
+    while not lockstep._pending:  # the member is waiting for the other one
+        time.sleep(0.01)
+    lockstep.stop(RuntimeError("interrupted"))
+    waiting.join(timeout=30)
+    assert outcome == ["interrupted"]
+    with pytest.raises(RuntimeError, match="interrupted"):
+        lockstep.submit(2)
 
 
 def _values(**overrides) -> dict:

@@ -44,6 +44,10 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 
+class RunsInterrupted(RuntimeError):
+    """The runs of a group were stopped from outside (Ctrl-C)."""
+
+
 class Lockstep(Generic[Item, Result]):
     """Calls from the threads of ``members`` runs gathered into one: ``submit`` waits until every
     member that has not left has submitted, then one call of ``joint`` serves them all (in the
@@ -55,15 +59,27 @@ class Lockstep(Generic[Item, Result]):
         self._joint = joint
         self._lock = threading.Lock()
         self._pending: list[tuple[Item, Future]] = []
+        self._stopped: Exception | None = None
 
     def submit(self, item: Item) -> Result:
         future: Future = Future()
         with self._lock:
+            if self._stopped is not None:
+                raise self._stopped
             self._pending.append((item, future))
             batch = self._take_when_all_in()
         if batch:
             self._serve(batch)
         return future.result()
+
+    def stop(self, reason: Exception) -> None:
+        """Every call waiting now and every later one raises ``reason``; a joint call under way
+        finishes and serves its members first."""
+        with self._lock:
+            self._stopped = reason
+            waiting, self._pending = self._pending, []
+        for _, future in waiting:
+            future.set_exception(reason)
 
     def leave(self) -> None:
         with self._lock:
@@ -182,6 +198,10 @@ class TrainingGroup:
     def leave(self) -> None:
         self._lockstep.leave()
 
+    def stop(self, reason: Exception) -> None:
+        """Every run's next (or waiting) cohort raises ``reason``: the runs end after the joint step under way."""
+        self._lockstep.stop(reason)
+
 
 def run_group(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]] | None = None
               ) -> list[Exception | None]:
@@ -202,11 +222,17 @@ def run_group(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]]
         finally:
             group.leave()
 
-    # daemon: Ctrl-C stops the sweep's main thread, and the runs with it, as it stops a run of its own
+    # daemon: a second Ctrl-C ends the process without waiting for them
     threads = [threading.Thread(target=run, args=(i,), name=f"fedmask-run-{cfg.name}", daemon=True)
                for i, cfg in enumerate(cfgs)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except KeyboardInterrupt:  # Ctrl-C: let every run end cleanly after the joint step under way
+        group.stop(RunsInterrupted("interrupted (Ctrl-C) while training together"))
+        for thread in threads:
+            thread.join()
+        raise
     return errors
