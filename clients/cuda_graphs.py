@@ -105,9 +105,10 @@ class CudaGraphCohortStep(CohortStep):
         if self._stacked is None or next(iter(self._stacked.values())).shape[0] != num_clients:
             self._stacked, self._graph, self._inputs = stack_copies(self.model, thetas, counts), None, None
             return self._stacked
-        with torch.no_grad():
-            for p, value in zip(self._stacked.values(), stack_copies(self.model, thetas, counts).values(), strict=True):
-                p.copy_(value)
+        with torch.no_grad():  # each group's θ into its clients' slices, in place
+            for i, p in enumerate(self._stacked.values()):
+                for slice_, theta in zip(p.split(list(counts)), thetas, strict=True):
+                    slice_.copy_(theta[i].unsqueeze(0).expand_as(slice_))
         return self._stacked
 
     def __call__(self, stacked: Params, clients: torch.Tensor | None, images: torch.Tensor, labels: torch.Tensor,

@@ -198,7 +198,7 @@ def grouped_local_updates(
     schedules = [batch_orders(n, training, g)
                  for n, g in zip(sizes, [g for group in generators for g in group], strict=True)]
     loss_sums = _train(model, step, stacked, images, labels, cohort_schedule(schedules, offsets, device))
-    results = _results(stack_copies(model, thetas, counts), stacked, sizes, schedules, loss_sums)
+    results = _results(thetas, counts, stacked, sizes, schedules, loss_sums)
     ends = np.cumsum(counts).tolist()
     return [results[end - count : end] for count, end in zip(counts, ends, strict=True)]
 
@@ -232,11 +232,14 @@ def _sgd(stacked: Params, grads: Params, clients: torch.Tensor | None, lr: float
 
 @torch.no_grad()
 def _results(
-    starts: Params, stacked: Params, sizes: list[int], schedules: list[list[torch.Tensor]], loss_sums: torch.Tensor,
+    thetas: list[list[torch.Tensor]], counts: list[int], stacked: Params, sizes: list[int],
+    schedules: list[list[torch.Tensor]], loss_sums: torch.Tensor,
 ) -> list[LocalResult]:
-    """Δ_k = θ − θ_k per client, θ its group's start (views into one stacked tensor per parameter),
-    and its train loss."""
-    deltas = [(starts[name] - p).unbind(0) for name, p in stacked.items()]
+    """Δ_k = θ − θ_k per client, θ its group's start (views into one tensor per parameter and
+    group), and its train loss."""
+    deltas = [[d for slice_, theta in zip(p.split(counts), thetas, strict=True)
+               for d in (theta[i].unsqueeze(0) - slice_).unbind(0)]
+              for i, p in enumerate(stacked.values())]
     results = []
     for k, (n, loss_sum) in enumerate(zip(sizes, loss_sums.tolist(), strict=True)):
         seen = sum(len(b) for b in schedules[k])

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        failed = _sweep_on_ray(pending, args) if args.ray_address else _sweep_here(pending, args)
+        failed = _sweep_on_ray(pending, args) if args.ray_address else _sweep_here(pending, groups, args)
     except ConnectionError as exc:  # ray.init found no cluster at --ray-address
         print(f"fedmask-sweep: {exc}", file=sys.stderr)
         return 2
@@ -194,12 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _sweep_here(pending: list[tuple[GridRun, RunConfig]], args: argparse.Namespace) -> list[str]:
+def _sweep_here(pending: list[tuple[GridRun, RunConfig]], groups: list[list[int]], args: argparse.Namespace
+                ) -> list[str]:
     """One run after another in this process (local engine) or through `flwr run` (flower); with
-    --group-runs, one group of runs trained together after another."""
+    ``groups`` (--group-runs: indices into ``pending``), one group of runs trained together after another."""
     failed: list[str] = []
     execute = _run_flower if args.engine == "flower" else _run_local
-    groups = form_groups([cfg for _, cfg in pending], args.group_runs) if args.group_runs > 1 else None
     batches = [[pending[i] for i in group] for group in groups] if groups else [[item] for item in pending]
 
     # Progress in client-epochs (rounds x K_c x tau), so the ETA weighs a tau = 5 round as five tau = 1 rounds.
