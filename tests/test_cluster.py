@@ -115,6 +115,31 @@ def test_runs_spread_over_the_nodes_and_write_what_one_machine_writes(tmp_path, 
     assert "2 complete, 0 to run" in _dry_run(args, capsys)
 
 
+@pytest.mark.slow
+def test_groups_of_runs_trained_together_are_tasks_spread_over_the_nodes(tmp_path, two_nodes, capsys):
+    """--group-runs 2 with --ray-address: each group is one task (its runs on one node, the two
+    groups on different nodes), and every run's rows equal those of the same groups trained
+    together on one machine."""
+    c, second = two_nodes
+    grid = write_grid(tmp_path / "grid.toml", rounds=3).read_text().replace("seed = [0, 1]", "seed = [0, 1, 2, 3]")
+    (tmp_path / "grid.toml").write_text(grid)
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    common = [str(tmp_path / "grid.toml"), data_dir(), "vectorize=true", "--group-runs", "2"]
+    args = [*common, "--output-dir", str(out), "--ray-address", c.address, "--no-shared-output", "--verbose"]
+    assert sweep.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "2 group(s) of up to 2 runs trained together" in printed
+    nodes = dict(ON_NODE.findall(printed))
+    assert nodes["seed=0"] == nodes["seed=1"] != nodes["seed=2"] == nodes["seed=3"], nodes
+    assert {nodes["seed=0"], nodes["seed=2"]} == {c.head_node.node_id, second.node_id}
+
+    assert sweep.main([*common, "--engine", "local", "--output-dir", str(reference)]) == 0
+    for run in (f"seed={seed}" for seed in range(4)):
+        assert '"engine": "local-grouped"' in (out / run / "config.json").read_text()
+        pd.testing.assert_frame_equal(rounds_of(out, run).drop(columns="seconds"),
+                                      rounds_of(reference, run).drop(columns="seconds"))
+
+
 def _dry_run(args: list[str], capsys) -> str:
     capsys.readouterr()
     assert sweep.main([*args, "--dry-run"]) == 0
@@ -122,47 +147,57 @@ def _dry_run(args: list[str], capsys) -> str:
 
 
 @pytest.mark.slow
-def test_a_run_on_a_lost_node_is_retried_and_resumes_from_its_checkpoint(tmp_path, two_nodes, capsys):
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-run-a-task", "a-group-a-task"])
+def test_a_run_on_a_lost_node_is_retried_and_resumes_from_its_checkpoint(tmp_path, two_nodes, capsys, grouped):
     """Shared output: the second node dies mid-run; Ray retries its task on the head, which resumes
-    from the checkpoint (rounds past it are dropped), and every round is written once."""
+    from the checkpoint (rounds past it are dropped), and every round is written once. Grouped
+    (--group-runs 2, four runs): the lost task's two runs are retried together, each resumed."""
     c, second = two_nodes
     rounds = 60
     grid = write_grid(tmp_path / "grid.toml", rounds=rounds, every=5, epochs=2, batch=4)
+    names = RUNS
+    grouping: list[str] = []
+    if grouped:
+        grid.write_text(grid.read_text().replace("seed = [0, 1]", "seed = [0, 1, 2, 3]"))
+        names, grouping = tuple(f"seed={seed}" for seed in range(4)), ["vectorize=true", "--group-runs", "2"]
     out = tmp_path / "out"
-    args = [str(grid), "--output-dir", str(out), data_dir(), "--ray-address", c.address, "--verbose"]
+    args = [str(grid), "--output-dir", str(out), data_dir(), *grouping, "--ray-address", c.address, "--verbose"]
     result: list[int] = []
     sweeping = threading.Thread(target=lambda: result.append(sweep.main(args)), daemon=True)
     sweeping.start()
 
-    worker, run = _task_on(second, timeout=120)
-    rows = _wait_for_rows(out / run / "rounds.csv", 12, timeout=120)
+    worker, lost = _task_on(second, timeout=120)
+    assert len(lost) == (2 if grouped else 1)
+    rows = _wait_for_rows(out / lost[0] / "rounds.csv", 12, timeout=120)
     worker.suspend()  # stop it mid-run, then lose its node
-    stopped_at = len(pd.read_csv(out / run / "rounds.csv"))
+    stopped_at = {run: len(pd.read_csv(out / run / "rounds.csv")) for run in lost}
     c.remove_node(second, allow_graceful=False)
     worker.kill()  # a stopped worker does not notice its raylet is gone
     worker.wait(30)
-    assert rows <= stopped_at < rounds, "the run was not stopped mid-way"
+    assert rows <= stopped_at[lost[0]] and max(stopped_at.values()) < rounds, "the run was not stopped mid-way"
 
     sweeping.join(timeout=240)
     assert result == [0]
     printed = capsys.readouterr().out
-    for name in RUNS:
+    for name in names:
         assert rounds_of(out, name)["round"].tolist() == list(range(1, rounds + 1))
-    resumed = re.search(rf"\[sweep\] {re.escape(run)} complete in \d+s on node (\w+) \(pid \d+\), "
-                        r"resumed after round (\d+)", printed)
-    assert resumed, printed
-    assert resumed.group(1) == c.head_node.node_id
-    assert 5 <= int(resumed.group(2)) <= stopped_at and int(resumed.group(2)) % 5 == 0
+    for run in lost:
+        resumed = re.search(rf"\[sweep\] {re.escape(run)} complete in \d+s on node (\w+) \(pid \d+\), "
+                            r"resumed after round (\d+)", printed)
+        assert resumed, printed
+        assert resumed.group(1) == c.head_node.node_id
+        assert 5 <= int(resumed.group(2)) <= stopped_at[run] and int(resumed.group(2)) % 5 == 0
 
     reference = tmp_path / "reference"
-    assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(reference), data_dir()]) == 0
-    pd.testing.assert_frame_equal(rounds_of(out, run).drop(columns="seconds"),
-                                  rounds_of(reference, run).drop(columns="seconds"))
+    assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(reference), data_dir(), *grouping]) == 0
+    for run in lost:
+        pd.testing.assert_frame_equal(rounds_of(out, run).drop(columns="seconds"),
+                                      rounds_of(reference, run).drop(columns="seconds"))
 
 
-def _task_on(node, timeout: float) -> tuple[psutil.Process, str]:
-    """The worker process of ``node`` that runs a sweep task, and the task's run name (from its
-    process title, ``ray::fedmask-run:<run>``)."""
+def _task_on(node, timeout: float) -> tuple[psutil.Process, list[str]]:
+    """The worker process of ``node`` that runs a sweep task, and the task's runs (from its process
+    title, ``ray::fedmask-run:<run>`` or ``ray::fedmask-runs:<run>+<run>...``)."""
     raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -171,8 +206,8 @@ def _task_on(node, timeout: float) -> tuple[psutil.Process, str]:
                 title = " ".join(child.cmdline())
             except psutil.Error:
                 continue
-            if match := re.match(r"ray::fedmask-run:(\S+)", title):
-                return child, match.group(1)
+            if match := re.match(r"ray::fedmask-runs?:(\S+)", title):
+                return child, match.group(1).split("+")
         time.sleep(0.05)
     raise AssertionError(f"no sweep task started on the second node within {timeout}s")
 

@@ -4,7 +4,8 @@ With --group-runs N (local engine, vectorize=true) runs that train alike go N at
 cohorts trained as one batched computation (fedmask_app/engines/run_group.py).
 
 With --ray-address the runs are Ray tasks spread across a cluster's nodes instead, several at a
-time, each on the local engine (fedmask_app/sweep/cluster.py; ray is imported only then)."""
+time, each on the local engine (fedmask_app/sweep/cluster.py; ray is imported only then); with
+--group-runs too, each group of runs trained together is one task."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def _run_local(cfg: RunConfig, args: argparse.Namespace, on_round) -> None:
 RAY_HELP = """\
 On a Ray cluster (--ray-address): every run is one Ray task asking for --run-cpus/--run-gpus
 (/--run-resources), spread over the nodes, each running the whole run on the local engine (not
-Flower: a Flower simulation inside a Ray task would start a second Ray). Every node needs this
+Flower: a Flower simulation inside a Ray task would start a second Ray). With --group-runs N each
+group of runs trained together is one task, asking for those resources once. Every node needs this
 project installed and the data at data-dir (give an absolute path). Complete runs are skipped and
 incomplete ones resumed as without Ray; a run whose worker or node is lost is retried by Ray
 (--max-retries), a run that raises is reported, not retried.
@@ -101,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--group-runs", type=int, default=1, metavar="N",
                         help="local engine, vectorize=true: train up to N runs together, their cohorts as one "
                              "batched computation (runs with equal model, batch-size, local-epochs, lr, precision, "
-                             "device, threads, cuda-graphs and skip-padding-taps); default 1: one run at a time")
+                             "device, threads, cuda-graphs and skip-padding-taps); default 1: one run at a time. With "
+                             "--ray-address each group is one Ray task")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
     parser.add_argument("--verbose", action="store_true",
                         help="flower engine: show Flower's own log lines; Ray: each run's node and log lines")
@@ -131,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
               "(a Flower simulation there would start a second Ray): drop --engine flower", file=sys.stderr)
         return 2
     args.engine = "local" if args.ray_address else args.engine or "flower"
-    if args.group_runs != 1 and (args.engine != "local" or args.ray_address or args.group_runs < 1):
-        print("fedmask-sweep: --group-runs N (N >= 1) trains runs together in this process on the local engine: "
-              "add --engine local (not with --ray-address)", file=sys.stderr)
+    if args.group_runs != 1 and (args.engine != "local" or args.group_runs < 1):
+        print("fedmask-sweep: --group-runs N (N >= 1) trains runs together on the local engine: "
+              "add --engine local (or --ray-address)", file=sys.stderr)
         return 2
 
     try:
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         where += f", {len(groups)} group(s) of up to {args.group_runs} runs trained together"
     print(f"[sweep] {args.grid}: {len(runs)} runs, {len(runs) - len(pending)} complete, "
           f"{len(pending)} to run ({where}) -> {output_dir}")
-    if args.group_runs > 1 and any(_trains_on_cpu(cfg) for _, cfg in pending):
+    if args.group_runs > 1 and any(_trains_on_cpu(cfg, args) for _, cfg in pending):
         print("[sweep] note: runs trained together are meant for GPUs; on a CPU they are slower than one run at a "
               "time (README, Runs trained together)")
     if args.dry_run:
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        failed = _sweep_on_ray(pending, args) if args.ray_address else _sweep_here(pending, groups, args)
+        failed = _sweep_on_ray(pending, groups, args) if args.ray_address else _sweep_here(pending, groups, args)
     except ConnectionError as exc:  # ray.init found no cluster at --ray-address
         print(f"fedmask-sweep: {exc}", file=sys.stderr)
         return 2
@@ -235,7 +238,9 @@ def _sweep_here(pending: list[tuple[GridRun, RunConfig]], groups: list[list[int]
     return failed
 
 
-def _trains_on_cpu(cfg: RunConfig) -> bool:
+def _trains_on_cpu(cfg: RunConfig, args: argparse.Namespace) -> bool:
+    if args.ray_address:  # the task's node decides; with --run-gpus 0 Ray hides its GPUs
+        return cfg.device == "cpu" or (args.run_gpus == 0 and cfg.device == "auto")
     try:
         return pick_device(cfg).type == "cpu"
     except RuntimeError:  # device = "cuda" without one: the run reports it
@@ -262,8 +267,10 @@ def _run_group(cfgs: list[RunConfig], on_round) -> list[Exception | None]:
         return [exc] * len(cfgs)
 
 
-def _sweep_on_ray(pending: list[tuple[GridRun, RunConfig]], args: argparse.Namespace) -> list[str]:
-    """Every run as a Ray task (fedmask_app/sweep/cluster.py), reported as each ends; the failed runs."""
+def _sweep_on_ray(pending: list[tuple[GridRun, RunConfig]], groups: list[list[int]], args: argparse.Namespace
+                  ) -> list[str]:
+    """Every run, or with ``groups`` every group of runs trained together, as a Ray task
+    (fedmask_app/sweep/cluster.py), each run reported as its task ends; the failed runs."""
     from fedmask_app.sweep import cluster  # imports ray, so only here
 
     options = cluster.TaskOptions(cpus=args.run_cpus, gpus=args.run_gpus, resources=args.run_resources,
@@ -276,7 +283,8 @@ def _sweep_on_ray(pending: list[tuple[GridRun, RunConfig]], args: argparse.Names
         if warning := cluster.missing_resources(options):
             tqdm.write(f"[sweep] warning: {warning}")
         with tqdm(total=len(pending), unit="run", dynamic_ncols=True) as bar:
-            for outcome in cluster.run_all([cfg for _, cfg in pending], options):
+            batches = [[pending[i][1] for i in group] for group in groups] or [[cfg] for _, cfg in pending]
+            for outcome in cluster.run_all(batches, options):
                 run, cfg = by_name[outcome.name]
                 if not _report_run(run, cfg, outcome, args.verbose):
                     failed.append(run.name)

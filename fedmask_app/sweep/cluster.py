@@ -2,7 +2,10 @@
 
 Each run is one Ray task that asks for the resources given (``--run-cpus``, ``--run-gpus``,
 ``--run-resources``) and runs the whole run with the **local engine** inside that task; the tasks
-are spread over the nodes (SPREAD scheduling). Not the Flower engine: a Flower simulation starts a
+are spread over the nodes (SPREAD scheduling). With ``--group-runs N`` each group of runs trained
+together (``fedmask_app/engines/run_group.py``) is one task instead, asking for those resources
+once: the same groups ``fedmask-sweep`` trains one after another on one machine, here side by
+side on the cluster's GPUs. Not the Flower engine: a Flower simulation starts a
 Ray of its own, and a second Ray inside a Ray task is not supported. Every node needs this project
 installed in the same environment and ``data-dir`` (an absolute path) holding, or able to fetch,
 the data set.
@@ -186,55 +189,71 @@ def missing_resources(options: TaskOptions) -> str | None:
 # ---------------------------------------------------------------- the task
 
 
-def execute_run(name: str, mapping: dict[str, Any], shared_output: bool, files: dict[str, bytes] | None,
-                verbose: bool) -> RunOutcome:
-    """The body of a run's Ray task: run ``mapping`` (a RunConfig mapping, run folder ``name``)
-    with the local engine and say where it ran. Errors of the run are returned, not raised (so
-    they are not retried)."""
+def execute_runs(names: list[str], mappings: list[dict[str, Any]], shared_output: bool,
+                 files: list[dict[str, bytes]] | None, verbose: bool) -> list[RunOutcome]:
+    """The body of a Ray task: run ``mappings`` (RunConfig mappings, run folders ``names``) with
+    the local engine — one run, or several trained together (``run_group``) — and say where they
+    ran. Errors of the runs are returned, not raised (so they are not retried)."""
     started = time.perf_counter()
     node_id, pid = ray.get_runtime_context().get_node_id(), os.getpid()
-    mapping = {**mapping, "resume": True}
+    mappings = [{**mapping, "resume": True} for mapping in mappings]
     if shared_output:
-        error, resumed = _run(mapping, verbose)
-        return RunOutcome(name, node_id, pid, error, resumed, time.perf_counter() - started)
+        ended = _run(names, mappings, verbose)
+        return [RunOutcome(name, node_id, pid, error, resumed, time.perf_counter() - started)
+                for name, (error, resumed) in zip(names, ended, strict=True)]
     with tempfile.TemporaryDirectory(prefix="fedmask-run-") as temp:
-        error, resumed, out = _run_in(Path(temp), name, mapping, files or {}, verbose)
-    return RunOutcome(name, node_id, pid, error, resumed, time.perf_counter() - started, out)
+        ended = _run_in(Path(temp), names, mappings, files or [{} for _ in names], verbose)
+    return [RunOutcome(name, node_id, pid, error, resumed, time.perf_counter() - started, out)
+            for name, (error, resumed, out) in zip(names, ended, strict=True)]
 
 
-def _run_in(temp: Path, name: str, mapping: dict[str, Any], files: dict[str, bytes],
-            verbose: bool) -> tuple[str | None, int, dict[str, bytes]]:
-    """Run with ``temp`` as output-dir, starting from ``files``; return the run folder's files as
-    the driver's output-dir holds them."""
-    run_dir = temp / name
-    run_dir.mkdir(parents=True)
-    for file_name, data in files.items():
-        (run_dir / file_name).write_bytes(data)
-    error, resumed = _run({**mapping, "output-dir": str(temp)}, verbose)
-    _retarget(run_dir / CONFIG_FILE, mapping["output-dir"])  # config.json names the folder it is written to
-    return error, resumed, read_run_files(run_dir)
+def _run_in(temp: Path, names: list[str], mappings: list[dict[str, Any]], files: list[dict[str, bytes]],
+            verbose: bool) -> list[tuple[str | None, int, dict[str, bytes]]]:
+    """Run with ``temp`` as output-dir, each run starting from its ``files``; return each run
+    folder's files as the driver's output-dir holds them."""
+    for name, run_files in zip(names, files, strict=True):
+        run_dir = temp / name
+        run_dir.mkdir(parents=True)
+        for file_name, data in run_files.items():
+            (run_dir / file_name).write_bytes(data)
+    ended = _run(names, [{**mapping, "output-dir": str(temp)} for mapping in mappings], verbose)
+    for name, mapping in zip(names, mappings, strict=True):  # config.json names the folder it is written to
+        _retarget(temp / name / CONFIG_FILE, mapping["output-dir"])
+    return [(error, resumed, read_run_files(temp / name)) for name, (error, resumed) in zip(names, ended, strict=True)]
 
 
-def _run(mapping: dict[str, Any], verbose: bool) -> tuple[str | None, int]:
-    """Run with the local engine; return (the error or None, the round it resumed after)."""
+def _run(names: list[str], mappings: list[dict[str, Any]], verbose: bool) -> list[tuple[str | None, int]]:
+    """Run with the local engine, several runs trained together; for each run (the error or None,
+    the round it resumed after)."""
     from fedmask_app.engines.local import run_local
+    from fedmask_app.engines.run_group import run_group
 
-    resumed = 0
+    resumed = [0] * len(names)
 
-    def echo(line: str) -> None:
-        nonlocal resumed
-        if match := RESUMING.search(line):
-            resumed = int(match.group(1))
-        if verbose:
-            print(line, flush=True)
+    def echo_for(index: int):
+        def echo(line: str) -> None:
+            if match := RESUMING.search(line):
+                resumed[index] = int(match.group(1))
+            if verbose:
+                print(f"[{names[index]}] {line}" if len(names) > 1 else line, flush=True)
+        return echo
 
+    echoes = [echo_for(i) for i in range(len(names))]
     try:
-        run_local(RunConfig.from_mapping(mapping), echo=echo)
+        cfgs = [RunConfig.from_mapping(mapping) for mapping in mappings]
+        if len(cfgs) == 1:
+            run_local(cfgs[0], echo=echoes[0])
+            errors: list[Exception | None] = [None]
+        else:
+            errors = run_group(cfgs, echoes)
     except Exception as exc:  # reported by the driver, as a failing run on one machine is
-        if verbose:
-            traceback.print_exc()
-        return f"{type(exc).__name__}: {exc}", resumed
-    return None, resumed
+        errors = [exc] * len(names)
+    if verbose:
+        for error in errors:
+            if error is not None:
+                traceback.print_exception(error)
+    return [(None if error is None else f"{type(error).__name__}: {error}", after)
+            for error, after in zip(errors, resumed, strict=True)]
 
 
 def _retarget(config_path: Path, output_dir: str) -> None:
@@ -265,37 +284,45 @@ def write_run_files(run_dir: Path, files: dict[str, bytes]) -> None:
 # ---------------------------------------------------------------- the driver
 
 
-_run_task = ray.remote(execute_run)
+_task = ray.remote(execute_runs)
 
 
-def submit(cfg: RunConfig, options: TaskOptions) -> ray.ObjectRef:
-    """One run as a Ray task (named after the run, so ``ray list tasks`` and process titles show it)."""
-    files = None if options.shared_output else read_run_files(cfg.run_dir)
-    return _run_task.options(
-        name=f"fedmask-run:{cfg.name}", num_cpus=options.cpus, num_gpus=options.gpus,
+def task_name(cfgs: list[RunConfig]) -> str:
+    """``fedmask-run:<run>``, or ``fedmask-runs:<run>+<run>...`` for runs trained together (``ray
+    list tasks`` and the workers' process titles show it)."""
+    return f"fedmask-run:{cfgs[0].name}" if len(cfgs) == 1 else "fedmask-runs:" + "+".join(c.name for c in cfgs)
+
+
+def submit(cfgs: list[RunConfig], options: TaskOptions) -> ray.ObjectRef:
+    """One Ray task for ``cfgs``: a run, or runs trained together (``--group-runs``)."""
+    files = None if options.shared_output else [read_run_files(cfg.run_dir) for cfg in cfgs]
+    return _task.options(
+        name=task_name(cfgs), num_cpus=options.cpus, num_gpus=options.gpus,
         resources=dict(options.resources), max_retries=options.max_retries, retry_exceptions=False,
         scheduling_strategy="SPREAD",
-    ).remote(cfg.name, cfg.to_mapping(), options.shared_output, files, options.verbose)
+    ).remote([cfg.name for cfg in cfgs], [cfg.to_mapping() for cfg in cfgs], options.shared_output, files,
+             options.verbose)
 
 
-def run_all(configs: list[RunConfig], options: TaskOptions) -> Iterator[RunOutcome]:
-    """Submit every run, then yield each outcome as its task ends (without shared output, once its
-    files are written under output-dir)."""
-    pending = {submit(cfg, options): (cfg, time.perf_counter()) for cfg in configs}
+def run_all(batches: list[list[RunConfig]], options: TaskOptions) -> Iterator[RunOutcome]:
+    """Submit every batch (a run, or runs trained together) as a task, then yield each run's
+    outcome as its task ends (without shared output, once its files are written under output-dir)."""
+    pending = {submit(batch, options): (batch, time.perf_counter()) for batch in batches}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
-        cfg, submitted = pending.pop(done[0])
-        outcome = _outcome(done[0], cfg, submitted)
-        if outcome.files is not None:
-            write_run_files(cfg.run_dir, outcome.files)
-        yield outcome
+        batch, submitted = pending.pop(done[0])
+        for cfg, outcome in zip(batch, _outcomes(done[0], batch, submitted), strict=True):
+            if outcome.files is not None:
+                write_run_files(cfg.run_dir, outcome.files)
+            yield outcome
 
 
-def _outcome(ref: ray.ObjectRef, cfg: RunConfig, submitted: float) -> RunOutcome:
-    """The task's outcome, or one that carries the error of a task Ray gave up on (retries spent,
+def _outcomes(ref: ray.ObjectRef, batch: list[RunConfig], submitted: float) -> list[RunOutcome]:
+    """The task's outcomes, or ones that carry the error of a task Ray gave up on (retries spent,
     a node-side import error, ...)."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return RunOutcome(cfg.name, "", 0, f"{type(exc).__name__}: {first}", 0, time.perf_counter() - submitted)
+        return [RunOutcome(cfg.name, "", 0, f"{type(exc).__name__}: {first}", 0, time.perf_counter() - submitted)
+                for cfg in batch]
