@@ -11,7 +11,8 @@
 # against host rounds, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py in float32 (rounds per cell and
 # path, each split into training and server step; the protocol's projected time; the evaluation; 4
 # runs in threads of one process), 5 runs trained together (fedmask-sweep --group-runs: 1, 3 and 9
-# runs' cohorts as one computation, tf32, every cell, with the projection), 6 step 4's timing in tf32
+# runs' cohorts as one computation, tf32, every cell, with the projection; and their evaluations
+# batched across the runs against one after another), 6 step 4's timing in tf32
 # and bf16 on the two replayed cohort paths (client streams and vectorised, with CUDA graphs), 7
 # benchmarks/step_profile.py (one bs-32 step per path: wall against kernel time, the costliest
 # kernels), 8 the server step on the device against numpy on the host, 9 the bs-32 cell again with

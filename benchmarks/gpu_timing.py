@@ -59,7 +59,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.func import functional_call, vmap
 
+from clients.training import load_parameters
+from clients.vectorized import stack_copies
 from fedmask_app.engines.local import in_process, local_train_round, resident_on
 from fedmask_app.engines.run_group import TrainingGroup
 from fedmask_app.run.client_task import ClientTask
@@ -132,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-batch-sizes", nargs="*", type=int, default=[],
                         help=f"also time the evaluation at these eval-batch-size values (the projection uses "
                              f"{EVAL_BATCH}, the default)")
+    parser.add_argument("--eval-together", nargs="*", type=int, default=[], metavar="N",
+                        help="also time N runs' evaluations one after another against one vmapped evaluation of "
+                             "all N (evaluation batched across runs, a candidate), per precision, for each N given")
     parser.add_argument("--residency", choices=tuple(RESIDENCIES), default="engine",
                         help="where the replies' Δ_k are reduced: as the engine does (on a GPU: on the device), "
                              "device, host (numpy), or both side by side with their ratio")
@@ -268,19 +274,61 @@ def time_evaluation(cfg: RunConfig, test_images: int, batch: int = EVAL_BATCH) -
     ``test_images`` synthetic images."""
     device, dtype = compute_setup(cfg)
     model = build_model(cfg.model, cfg.skip_padding_taps).to(device, dtype).eval()
-    rng = np.random.default_rng(1)
-    images = normalize(rng.integers(0, 256, (test_images, 32, 32, 3), dtype=np.uint8)).to(device, dtype)
-    seconds = []
-    with torch.no_grad():
-        for _ in range(3):
-            sync(device)
-            started = time.perf_counter()
+    images = synthetic_test_images(test_images, device, dtype)
+
+    def evaluate() -> None:
+        for start in range(0, test_images, batch):
+            model(images[start : start + batch]).argmax(1)
+
+    return median_seconds(evaluate, device)  # the caller releases the model and images (release_memory)
+
+
+def time_evaluation_together(cfg: RunConfig, runs: int, test_images: int, batch: int = EVAL_BATCH
+                             ) -> tuple[float, float, float]:
+    """Median seconds of evaluating ``runs`` global models (θ_0 of seeds 0..runs-1): one after
+    another, as the runs of a group evaluate now, and as one vmapped forward a test batch over their
+    stacked parameters — evaluation batched across runs, a candidate the engine does not have
+    (docs/performance.md, session 13): the same arithmetic, fewer launches. Also the largest
+    difference of the two ways' logits on the first batch, relative to the largest logit."""
+    device, dtype = compute_setup(cfg)
+    model = build_model(cfg.model, cfg.skip_padding_taps).to(device, dtype).eval()
+    thetas = [[t.to(device, dtype) for t in initial_parameters(cfg.model, seed)] for seed in range(runs)]
+    stacked = stack_copies(model, thetas, [1] * runs)
+    forward = vmap(lambda params, x: functional_call(model, params, (x,)), in_dims=(0, None))
+    images = synthetic_test_images(test_images, device, dtype)
+
+    def one_after_another() -> None:
+        for theta in thetas:
+            load_parameters(model, theta)
             for start in range(0, test_images, batch):
                 model(images[start : start + batch]).argmax(1)
+
+    def together() -> None:
+        for start in range(0, test_images, batch):
+            forward(stacked, images[start : start + batch]).argmax(-1)
+
+    with torch.no_grad():  # the same logits, within float rounding: printed so a timing of a wrong computation shows
+        x = images[:batch]
+        apart = torch.stack([functional_call(model, {k: v[i] for k, v in stacked.items()}, (x,)) for i in range(runs)])
+        drift = float((forward(stacked, x) - apart).abs().max() / apart.abs().max())
+    return median_seconds(one_after_another, device), median_seconds(together, device), drift
+
+
+def synthetic_test_images(count: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    rng = np.random.default_rng(1)
+    return normalize(rng.integers(0, 256, (count, 32, 32, 3), dtype=np.uint8)).to(device, dtype)
+
+
+def median_seconds(call: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
+    """Median seconds of ``call`` without gradients, the first of ``repeats`` calls a warm-up."""
+    seconds = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            sync(device)
+            started = time.perf_counter()
+            call()
             sync(device)
             seconds.append(time.perf_counter() - started)
-    del model, images
-    release_memory()
     return statistics.median(seconds[1:])
 
 
@@ -495,6 +543,8 @@ def time_grouped(args: argparse.Namespace, counts: list[int], base: dict, shards
     print(f"\n# GROUPED: N runs trained together (fedmask-sweep --group-runs N: their cohorts as one vmapped "
           f"computation; {precision}, {path}, seeds 0..N-1, a thread per run); summed images/s against a group "
           "of one, timed in this run", flush=True)
+    eval_cfg = run_config_from_values({**base, "precision": precision})
+    eval_together = {n: time_grouped_evaluation(eval_cfg, n, test_images) for n in counts if n > 1}
     ok, by_count = True, {}
     for cell, bs, tau in (c for c in CELLS if c[0] in args.concurrent_cells):
         values = config_values(base, precision, path, bs, tau)
@@ -518,11 +568,30 @@ def time_grouped(args: argparse.Namespace, counts: list[int], base: dict, shards
             by_count.setdefault(n, {})[bs] = Timing(timing.seconds / n, timing.images_per_s, timing.seconds / n, 0.0)
     for n, timings in by_count.items():
         if n > 1 and len(timings) == len(CELLS) and eval_s is not None:
-            grid1, grid2 = protocol_hours(timings, eval_s, TEST_IMAGES / test_images)
-            print(f"projection {precision:8s} {path}, {n} runs trained together: grid 1 {grid1:7.2f} h + grid 2 "
-                  f"extra {grid2:6.2f} h = {grid1 + grid2:7.2f} h of device time (each cell's seeds together, "
-                  "server steps counted inside the group's round)", flush=True)
+            for evaluation, per_run in (("one after another", eval_s), ("batched across the group", eval_together[n])):
+                if per_run is None:
+                    continue
+                grid1, grid2 = protocol_hours(timings, per_run, TEST_IMAGES / test_images)
+                print(f"projection {precision:8s} {path}, {n} runs trained together, evaluations {evaluation}: "
+                      f"grid 1 {grid1:7.2f} h + grid 2 extra {grid2:6.2f} h = {grid1 + grid2:7.2f} h of device time "
+                      "(each cell's seeds together, server steps counted inside the group's round)", flush=True)
     return ok
+
+
+def time_grouped_evaluation(cfg: RunConfig, n: int, test_images: int) -> float | None:
+    """Print n runs' evaluations one after another against one vmapped evaluation of all n; return
+    the vmapped seconds per run (None when it failed)."""
+    try:
+        apart, together, drift = time_evaluation_together(cfg, n, test_images)
+    except Exception as exc:
+        print(f"{cfg.precision:8s} grouped eval N={n:2d}: FAILED {type(exc).__name__}: {exc}", flush=True)
+        return None
+    finally:
+        release_memory()
+    print(f"{cfg.precision:8s} grouped eval N={n:2d}: {n} evaluations of {test_images} images (eval-batch-size "
+          f"{EVAL_BATCH}) one after another {apart:.3f} s, batched across the runs {together:.3f} s: "
+          f"{apart / together:5.2f}x (logits differ by {drift:.1e} of the largest)", flush=True)
+    return together / n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{precision:8s} evaluation of {args.test_images} images: "
                       f"{time_evaluation(eval_cfg, args.test_images, batch):.3f} s (eval-batch-size {batch})",
                       flush=True)
+            release_memory()
+            for n in args.eval_together:
+                time_grouped_evaluation(eval_cfg, n, args.test_images)
             for path in args.paths:  # in the order given
                 _, _, graphs, streams = next(p for p in PATHS if p[0] == path)
                 if (graphs or streams) and device.type != "cuda":
