@@ -12,7 +12,8 @@
 # path, each split into training and server step; the protocol's projected time; the evaluation; 4
 # runs in threads of one process), 5 runs trained together (fedmask-sweep --group-runs: 1, 3 and 9
 # runs' cohorts as one computation, tf32, every cell, with the projection; and their evaluations
-# batched across the runs against one after another), 6 step 4's timing in tf32
+# batched across the runs against one after another; and groups at bs 32 vmapped one cohort at a
+# time under the one CUDA graph), 6 step 4's timing in tf32
 # and bf16 on the two replayed cohort paths (client streams and vectorised, with CUDA graphs), 7
 # benchmarks/step_profile.py (one bs-32 step per path: wall against kernel time, the costliest
 # kernels), 8 the server step on the device against numpy on the host, 9 the bs-32 cell again with
@@ -102,7 +103,7 @@ if [[ $SMOKE == 1 ]]; then
     step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cpu --steps 1 --clients 2 \
         --paths sequential vectorised --top 3 --cudnn-benchmark
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
-        --concurrent 2 --threaded 2 --grouped 2 --eval-batch-sizes 100
+        --concurrent 2 --threaded 2 --grouped 2 --grouped-chunked --eval-batch-sizes 100
     step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
         --data-dir "$DATA_DIR" --paths vectorised --precisions float32 --residency both
 else
@@ -114,10 +115,11 @@ else
     step "benchmarks/gpu_timing.py float32" 240 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
         --paths streams-graphs vec-graphs streams sequential vectorised --precisions float32 --budget-s 120 \
         --config-cap-s 6 --eval-batch-sizes 2500 --threaded 4 --concurrent-path streams-graphs
-    # runs trained together (fedmask-sweep --group-runs N), each cell, with its projection
-    step "benchmarks/gpu_timing.py --grouped" 130 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths --precisions tf32 --grouped 3 9 --grouped-path vec-graphs --grouped-precision tf32 \
-        --concurrent-cells bs32-tau2 bs128-tau1 full-tau1 --rounds 2 --budget-s 90 --test-images 2000
+    # runs trained together (fedmask-sweep --group-runs N), each cell, with its projection; their
+    # evaluations batched across the runs; the bs-32 groups vmapped one cohort at a time
+    step "benchmarks/gpu_timing.py --grouped" 150 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --paths --precisions tf32 --grouped 3 9 --grouped-path vec-graphs --grouped-precision tf32 --grouped-chunked \
+        --concurrent-cells bs32-tau2 bs128-tau1 full-tau1 --rounds 2 --budget-s 105 --test-images 2000
     # tf32 and bf16 on the two replayed cohort paths
     step "benchmarks/gpu_timing.py tf32 bf16" 120 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
         --paths streams-graphs vec-graphs --precisions tf32 bf16 --budget-s 60 --config-cap-s 5

@@ -130,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the path --grouped times")
     parser.add_argument("--grouped-precision", choices=PRECISIONS, default="float32",
                         help="the precision --grouped times")
+    parser.add_argument("--grouped-chunked", action="store_true",
+                        help="also time each group of more than one run at bs 32 with its clients vmapped in chunks "
+                             "of --clients (one cohort), against the group as the engine trains it (on a GPU: in "
+                             "one vmapped call)")
     parser.add_argument("--skip-padding-taps", action="store_true",
                         help="every configuration with skip-padding-taps = true (convolutions skip padding-only taps)")
     parser.add_argument("--eval-batch-sizes", nargs="*", type=int, default=[],
@@ -487,14 +491,15 @@ def time_threaded(args: argparse.Namespace, counts: list[int], base: dict, shard
     return ok
 
 
-def grouped_timing(n: int, values: dict, shards: dict | None, args: argparse.Namespace) -> Timing:
+def grouped_timing(n: int, values: dict, shards: dict | None, args: argparse.Namespace,
+                   chunk_clients: int | None = None) -> Timing:
     """``args.rounds`` rounds of n runs (seeds 0..n-1 of ``values``) trained together, each run's
     round loop in a thread of its own as ``run_group`` runs it, after ``args.warmup`` untimed rounds
     (where a CUDA graph is captured). Seconds and training seconds are per round of all n runs;
     images/s is their sum; the server steps overlap the waiting, so ``server_seconds`` is 0."""
     cfgs = [run_config_from_values({**values, "seed": seed, "run-name": f"grouped-{seed}"}) for seed in range(n)]
     device = compute_setup(cfgs[0])[0]
-    group = TrainingGroup(cfgs, shards)
+    group = TrainingGroup(cfgs, shards, chunk_clients)
     for task in group.tasks:
         for partition_id in range(task.cfg.num_clients):
             task.shard(partition_id)
@@ -566,6 +571,8 @@ def time_grouped(args: argparse.Namespace, counts: list[int], base: dict, shards
             print(f"grouped N={n:2d} {cell:10s}: {timing.seconds:8.3f} s per round of all {n} runs, "
                   f"{timing.images_per_s:10.0f} images/s summed, {gain}", flush=True)
             by_count.setdefault(n, {})[bs] = Timing(timing.seconds / n, timing.images_per_s, timing.seconds / n, 0.0)
+    if args.grouped_chunked:
+        ok &= time_grouped_in_chunks(args, counts, base, shards, by_count, started)
     for n, timings in by_count.items():
         if n > 1 and len(timings) == len(CELLS) and eval_s is not None:
             for evaluation, per_run in (("one after another", eval_s), ("batched across the group", eval_together[n])):
@@ -575,6 +582,36 @@ def time_grouped(args: argparse.Namespace, counts: list[int], base: dict, shards
                 print(f"projection {precision:8s} {path}, {n} runs trained together, evaluations {evaluation}: "
                       f"grid 1 {grid1:7.2f} h + grid 2 extra {grid2:6.2f} h = {grid1 + grid2:7.2f} h of device time "
                       "(each cell's seeds together, server steps counted inside the group's round)", flush=True)
+    return ok
+
+
+def time_grouped_in_chunks(args: argparse.Namespace, counts: list[int], base: dict, shards: dict | None,
+                           by_count: dict, started: float) -> bool:
+    """Groups of each N > 1 in ``counts`` at bs 32 τ 2 with their clients vmapped ``args.clients``
+    at a time (one cohort a call, all calls in the one CUDA graph with vec-graphs), against the
+    same group as the engine trains it (``by_count``; on a GPU in one call, on a CPU already in
+    chunks of one cohort): whether cuDNN, as oneDNN on a CPU, slows down when a grouped convolution
+    has many groups. Returns whether every timing succeeded."""
+    cell, bs, tau = CELLS[0]
+    values = config_values(base, args.grouped_precision, args.grouped_path, bs, tau)
+    ok = True
+    for n in (n for n in counts if n > 1):
+        label = f"grouped N={n:2d} {cell:10s} in vmap chunks of {args.clients} clients"
+        if args.budget_s and time.perf_counter() - started > args.budget_s:
+            print(f"{label}: skipped (past --budget-s {args.budget_s:g})", flush=True)
+            continue
+        try:
+            timing = grouped_timing(n, values, shards, args, chunk_clients=args.clients)
+        except Exception as exc:
+            print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            ok = False
+            continue
+        finally:
+            release_memory()
+        whole = by_count.get(n, {}).get(bs)
+        gain = f"{timing.images_per_s / whole.images_per_s:5.2f}x the engine's group" if whole else "no group rate"
+        print(f"{label}: {timing.seconds:8.3f} s per round of all {n} runs, {timing.images_per_s:10.0f} images/s "
+              f"summed, {gain}", flush=True)
     return ok
 
 

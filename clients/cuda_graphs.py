@@ -87,11 +87,12 @@ class CudaGraphCohortStep(CohortStep):
     same bookkeeping, testable on a CPU.
     """
 
-    def __init__(self, model: nn.Module, training: LocalTraining, capture: bool = True):
+    def __init__(self, model: nn.Module, training: LocalTraining, capture: bool = True, chunk_size: int | None = None):
         device = next(model.parameters()).device
         if capture and device.type != "cuda":
             raise ValueError(f"cuda-graphs = true needs the model on a CUDA device; it is on {device}")
-        super().__init__(model, training, autocast_cache=not capture)  # autocast's cache must be off under capture
+        # autocast's cache must be off under capture; chunk_size: vmap's chunks, all captured in the one graph
+        super().__init__(model, training, chunk_size, autocast_cache=not capture)
         self.capture = capture
         self._stacked: Params | None = None
         self._graph: torch.cuda.CUDAGraph | None = None

@@ -137,14 +137,15 @@ def test_device_resident_rounds_are_the_host_rounds(tmp_path: Path) -> None:
         compare_runs(f"{path}: device-resident vs host rounds", runs[1], runs[0], 1e-6)
 
 
-def run_together(out: Path, names: list[str], **values) -> list[tuple[pd.DataFrame, list[np.ndarray]]]:
+def run_together(out: Path, names: list[str], chunk_clients: int | None = None, **values
+                 ) -> list[tuple[pd.DataFrame, list[np.ndarray]]]:
     """Small runs trained together (engines/run_group.py), seeds 0, 1, ...: each one's rounds.csv
     and final θ (from its checkpoint)."""
     cfgs = [run_config_from_values({**SMALL, "data-dir": str(data_dir()), "output-dir": str(out), "run-name": name,
                                     "vectorize": True, "seed": seed, "checkpoint-every": values["num-rounds"],
                                     **values})
             for seed, name in enumerate(names)]
-    errors = run_group(cfgs, [lambda _: None] * len(cfgs))
+    errors = run_group(cfgs, [lambda _: None] * len(cfgs), chunk_clients)
     assert errors == [None] * len(cfgs), errors
     results = []
     for cfg in cfgs:
@@ -156,17 +157,22 @@ def run_together(out: Path, names: list[str], **values) -> list[tuple[pd.DataFra
 
 def test_runs_trained_together_on_cuda(tmp_path: Path) -> None:
     """Two runs trained together (fedmask-sweep --group-runs): the identical-shards control gives
-    K_c; with cuda-graphs the eager group's rows (round 1 within 1e-5); and each run's rows lie
-    within 5e-4 of its vectorised run alone in round 1 (10x the CPU-vs-CUDA difference of 1/dS
-    measured on an H200, README), the differences printed."""
+    K_c; with cuda-graphs the eager group's rows (round 1 within 1e-5), also with the group's 8
+    clients vmapped in chunks of one cohort under the one graph; and each run's rows lie within
+    5e-4 of its vectorised run alone in round 1 (10x the CPU-vs-CUDA difference of 1/dS measured on
+    an H200, README), the differences printed."""
     for rows, _ in run_together(tmp_path, ["control-0", "control-1"], **{"identical-shards": True, "num-rounds": 2}):
         np.testing.assert_allclose(rows[["recovery", "recovery_weighted"]].to_numpy(), SMALL["clients-per-round"],
                                    rtol=1e-6)
     common = {"num-rounds": 3, "max-shard-size": 80}  # 2 full batches + 16
     eager = run_together(tmp_path, ["group-0", "group-1"], **common)
     graphed = run_together(tmp_path, ["group-graphs-0", "group-graphs-1"], **common, **{"cuda-graphs": True})
+    chunked = run_together(tmp_path, ["group-chunked-0", "group-chunked-1"], chunk_clients=SMALL["clients-per-round"],
+                           **common, **{"cuda-graphs": True})
     for seed in (0, 1):
         compare_runs(f"run {seed} trained together: cuda-graphs vs eager", eager[seed], graphed[seed], 1e-5)
+        compare_runs(f"run {seed} trained together: cuda-graphs in vmap chunks of one cohort vs eager", eager[seed],
+                     chunked[seed], 5e-4)
         alone = run(tmp_path, f"alone-{seed}", seed=seed, vectorize=True, **common)
         compare_runs(f"run {seed}: trained together vs alone (vectorised)", alone, eager[seed], 5e-4)
 

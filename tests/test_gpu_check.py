@@ -92,5 +92,6 @@ def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
     assert "concurrent N= 2 bs32-tau2 : " in out and "threaded N= 2 bs32-tau2 : " in out
     assert "grouped N= 2 bs32-tau2 : " in out and "x a group of one" in out
     assert "float32  grouped eval N= 2: 2 evaluations of" in out and "batched across the runs" in out
+    assert "grouped N= 2 bs32-tau2  in vmap chunks of 2 clients: " in out and "x the engine's group" in out
     assert "streams-graphs: skipped (CUDA graphs and streams need a CUDA device)" in out
     assert done.stdout.rstrip().endswith("=== gpu_check: all steps passed")

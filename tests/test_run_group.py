@@ -31,18 +31,20 @@ def _theta(model, seed: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1 for p in model.parameters()]
 
 
+@pytest.mark.parametrize("chunk_size", [None, 2])
 @pytest.mark.parametrize("buffered", [False, True])
-def test_groups_from_their_own_theta_train_as_each_cohort_alone(buffered):
+def test_groups_from_their_own_theta_train_as_each_cohort_alone(buffered, chunk_size):
     """Two cohorts, each from a θ of its own and with shards of unequal size, in one call: every
     Δ_k and train loss is the one the cohort's own vectorised call gives (float64), on the eager
-    step and on the CUDA-graph step's persistent buffers (no capture on a CPU)."""
+    step and on the CUDA-graph step's persistent buffers (no capture on a CPU), all five clients in
+    one vmapped call or in chunks of two (chunks that cut across the groups)."""
     model = _small_model().double()
     training = LocalTraining(epochs=2, batch_size=4, lr=0.1)
     thetas = [_theta(model, 1), _theta(model, 2)]
     shards = [_shards((5, 9, 12), torch.float64, seed=1), _shards((7, 4), torch.float64, seed=2)]
     gens = [_generators(3), [torch.Generator().manual_seed(500 + k) for k in range(2)]]
-    step = CudaGraphCohortStep(model, training, capture=False) if buffered else None
-    together = grouped_local_updates(model, thetas, shards, training, gens, step=step)
+    step = CudaGraphCohortStep(model, training, capture=False, chunk_size=chunk_size) if buffered else None
+    together = grouped_local_updates(model, thetas, shards, training, gens, chunk_size=chunk_size, step=step)
     gens = [_generators(3), [torch.Generator().manual_seed(500 + k) for k in range(2)]]
     for theta, group_shards, group_gens, results in zip(thetas, shards, gens, together, strict=True):
         alone = vectorized_local_updates(model, theta, group_shards, training, group_gens)

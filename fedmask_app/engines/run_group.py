@@ -162,9 +162,10 @@ class TrainingGroup:
     """Runs whose cohorts train together: one ``ClientTask`` per run, one cohort step for all, and
     the ``Lockstep`` that gathers their cohorts. ``train_round(i)`` is run i's ``TrainRound``; a
     thread that stops calling it calls ``leave``. ``shard_arrays``: every run's shards given
-    (benchmarks), else each run's own partition of CIFAR-10."""
+    (benchmarks), else each run's own partition of CIFAR-10. ``chunk_clients``: clients per vmapped
+    call (benchmarks); None: one cohort's worth on a CPU, all of them on a GPU."""
 
-    def __init__(self, cfgs: Sequence[RunConfig], shard_arrays: dict | None = None):
+    def __init__(self, cfgs: Sequence[RunConfig], shard_arrays: dict | None = None, chunk_clients: int | None = None):
         if not cfgs:
             raise ConfigError("a group needs at least one run")
         for cfg in cfgs:
@@ -180,9 +181,10 @@ class TrainingGroup:
         # On a CPU oneDNN's backward of a grouped convolution falls off a cliff past ~20 groups (30
         # clients at once: 0.12x one at a time, docs/cpu/vectorized-30-clients.log); vmap in chunks
         # of one cohort keeps it to the vectorised run's own speed.
-        chunk_size = max(cfg.clients_per_round for cfg in cfgs) if device.type == "cpu" else None
-        step = (CudaGraphCohortStep(model, training) if cfgs[0].cuda_graphs
-                else CohortStep(model, training, chunk_size))
+        if chunk_clients is None and device.type == "cpu":
+            chunk_clients = max(cfg.clients_per_round for cfg in cfgs)
+        step = (CudaGraphCohortStep(model, training, chunk_size=chunk_clients) if cfgs[0].cuda_graphs
+                else CohortStep(model, training, chunk_clients))
         self._lockstep: Lockstep[CohortRequest, list[ClientReply]] = Lockstep(
             len(cfgs), lambda requests: train_together(step, requests))
 
@@ -203,14 +205,14 @@ class TrainingGroup:
         self._lockstep.stop(reason)
 
 
-def run_group(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]] | None = None
-              ) -> list[Exception | None]:
+def run_group(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]] | None = None,
+              chunk_clients: int | None = None) -> list[Exception | None]:
     """Run ``cfgs`` to the end with their cohorts trained together; what each run raised (None: it
     finished). A run that stops leaves the others going. A set of runs that cannot train together
-    raises ``ConfigError`` before anything is written."""
+    raises ``ConfigError`` before anything is written. ``chunk_clients``: see ``TrainingGroup``."""
     if not cfgs:
         return []
-    group = TrainingGroup(cfgs)
+    group = TrainingGroup(cfgs, chunk_clients=chunk_clients)
     echoes = echoes or [print] * len(cfgs)
     errors: list[Exception | None] = [None] * len(cfgs)
 
