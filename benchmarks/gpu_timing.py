@@ -82,6 +82,7 @@ RESIDENCIES = {"engine": (("engine", None),), "device": (("device", True),), "ho
 GRID1 = tuple((bs, tau) for bs in (32, 128, "full") for tau in (1, 2, 5))
 GRID2_EXTRA = ((32, 2), (32, 2))  # α = 1 and α = 0.1 (α = 100 is grid 1's cell)
 SEEDS, ROUNDS, K_C, N_K, TEST_IMAGES, EVAL_BATCH = 3, 200, 10, 500, 10000, 500
+PAPER_WINDOW = 50  # the paper's medians read rounds 151-200
 
 
 @dataclass(frozen=True)
@@ -372,6 +373,12 @@ def print_projection(results: dict, eval_seconds: dict, test_images: int) -> Non
         grid1, grid2 = protocol_hours(timings, eval_seconds.get(precision, 0.0), eval_scale)
         print(f"projection {precision:8s} {path:21s}: grid 1 {grid1:7.2f} h + grid 2 extra {grid2:6.2f} h = "
               f"{grid1 + grid2:7.2f} h of device time")
+    cells = len(GRID1) + len(GRID2_EXTRA)
+    for precision, seconds in eval_seconds.items():
+        every_round = cells * SEEDS * ROUNDS * seconds * eval_scale / 3600
+        print(f"projection {precision:8s} evaluations: {every_round:.3f} h of each {precision} line above (one a "
+              f"round, {seconds * eval_scale:.3f} s each); with eval-last-rounds = {PAPER_WINDOW} (only the rounds "
+              f"the paper's medians read) {every_round * PAPER_WINDOW / ROUNDS:.3f} h")
 
 
 def run_configuration(values: dict, shards: dict | None, args: argparse.Namespace, label: str,

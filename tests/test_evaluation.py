@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
+import pytest
 import torch
 from torch import nn
 
-from fedmask_app.run.config import run_config_from_values
-from fedmask_app.run.evaluation import Evaluator
+from fedmask_app.engines.local import run_local
+from fedmask_app.run.config import ConfigError, run_config_from_values
+from fedmask_app.run.evaluation import Evaluator, evaluation_due
 from fedmask_app.run.model import initial_parameters
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -37,3 +40,32 @@ def test_loss_and_accuracy_are_the_per_image_means_in_batches_of_any_size(one_th
     for scale in (1.0, 40.0):
         np.testing.assert_allclose(results[64, scale], results[250, scale], rtol=1e-6)
     assert results[64, 1.0][0] != results[64, 40.0][0]  # the parameters reached the model
+
+
+def test_evaluation_due_every_nth_round_and_the_last_within_the_last_rounds():
+    def due(num_rounds: int, every: int, last_rounds: int) -> list[int]:
+        return [r for r in range(1, num_rounds + 1) if evaluation_due(r, num_rounds, every, last_rounds)]
+
+    assert due(5, 1, 0) == [1, 2, 3, 4, 5]
+    assert due(7, 3, 0) == [3, 6, 7]  # and the last round
+    assert due(7, 0, 0) == [] and due(7, 0, 3) == []  # eval-every = 0: never
+    assert due(200, 1, 50) == list(range(151, 201))  # the paper's window, rounds 151-200
+    assert due(10, 3, 5) == [6, 9, 10]
+    assert due(4, 1, 10) == [1, 2, 3, 4]  # a window longer than the run: every round
+
+
+def test_a_run_with_eval_last_rounds_evaluates_only_its_last_rounds(tmp_path, one_thread):
+    cfg = run_config_from_values({
+        "model": "linear-softmax", "num-clients": 4, "clients-per-round": 2, "max-shard-size": 16, "num-rounds": 4,
+        "eval-last-rounds": 2, "test-subset": 100, "checkpoint-every": 0, "data-dir": str(SHARED_DATA),
+        "output-dir": str(tmp_path), "run-name": "window",
+    })
+    run_local(cfg, echo=lambda _: None)
+    rows = pd.read_csv(cfg.run_dir / "rounds.csv")
+    assert rows["test_accuracy"].isna().tolist() == [True, True, False, False]
+    assert rows["recovery"].notna().all()  # the statistics are every round's
+
+
+def test_eval_last_rounds_is_checked():
+    with pytest.raises(ConfigError, match="eval-last-rounds"):
+        run_config_from_values({"eval-last-rounds": -1})

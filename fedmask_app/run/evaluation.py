@@ -28,8 +28,7 @@ class Evaluator:
         self.labels = torch.from_numpy(data.y_test[:n]).to(self.device)
 
     def due(self, server_round: int) -> bool:
-        every = self.cfg.eval_every
-        return every > 0 and (server_round % every == 0 or server_round == self.cfg.num_rounds)
+        return evaluation_due(server_round, self.cfg.num_rounds, self.cfg.eval_every, self.cfg.eval_last_rounds)
 
     @torch.no_grad()
     def __call__(self, params: list[np.ndarray]) -> tuple[float, float]:
@@ -48,3 +47,13 @@ class Evaluator:
         n = len(self.labels)
         loss = loss_sum.item() / n
         return (loss if math.isfinite(loss) else float("nan")), correct.item() / n
+
+
+def evaluation_due(server_round: int, num_rounds: int, every: int, last_rounds: int) -> bool:
+    """Whether round ``server_round`` of ``num_rounds`` evaluates: every ``every``-th round and the
+    last (``every`` = 0: never), only among the last ``last_rounds`` rounds when that is > 0 (the
+    paper reports test accuracy as a median over rounds 151–200: ``last_rounds = 50`` evaluates
+    just those)."""
+    if every == 0 or (last_rounds > 0 and server_round <= num_rounds - last_rounds):
+        return False
+    return server_round % every == 0 or server_round == num_rounds
