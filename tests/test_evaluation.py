@@ -55,15 +55,20 @@ def test_evaluation_due_every_nth_round_and_the_last_within_the_last_rounds():
 
 
 def test_a_run_with_eval_last_rounds_evaluates_only_its_last_rounds(tmp_path, one_thread):
-    cfg = run_config_from_values({
-        "model": "linear-softmax", "num-clients": 4, "clients-per-round": 2, "max-shard-size": 16, "num-rounds": 4,
-        "eval-last-rounds": 2, "test-subset": 100, "checkpoint-every": 0, "data-dir": str(SHARED_DATA),
-        "output-dir": str(tmp_path), "run-name": "window",
-    })
-    run_local(cfg, echo=lambda _: None)
-    rows = pd.read_csv(cfg.run_dir / "rounds.csv")
-    assert rows["test_accuracy"].isna().tolist() == [True, True, False, False]
-    assert rows["recovery"].notna().all()  # the statistics are every round's
+    """Rounds 3 and 4 of 4 evaluated, and every value the same as in the run evaluated every round."""
+    rows = {}
+    for last_rounds in (0, 2):
+        cfg = run_config_from_values({
+            "model": "linear-softmax", "num-clients": 4, "clients-per-round": 2, "max-shard-size": 16,
+            "num-rounds": 4, "eval-last-rounds": last_rounds, "test-subset": 100, "checkpoint-every": 0,
+            "data-dir": str(SHARED_DATA), "output-dir": str(tmp_path), "run-name": f"last-{last_rounds}",
+        })
+        run_local(cfg, echo=lambda _: None)
+        rows[last_rounds] = pd.read_csv(cfg.run_dir / "rounds.csv").drop(columns="seconds")
+    assert rows[2]["test_accuracy"].isna().tolist() == [True, True, False, False]
+    tests = ["test_loss", "test_accuracy"]
+    pd.testing.assert_frame_equal(rows[2].drop(columns=tests), rows[0].drop(columns=tests))
+    pd.testing.assert_frame_equal(rows[2][tests].iloc[2:], rows[0][tests].iloc[2:])
 
 
 def test_eval_last_rounds_is_checked():
