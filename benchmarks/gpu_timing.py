@@ -377,8 +377,8 @@ def print_projection(results: dict, eval_seconds: dict, test_images: int) -> Non
     for precision, seconds in eval_seconds.items():
         every_round = cells * SEEDS * ROUNDS * seconds * eval_scale / 3600
         print(f"projection {precision:8s} evaluations: {every_round:.3f} h of each {precision} line above (one a "
-              f"round, {seconds * eval_scale:.3f} s each); with eval-last-rounds = {PAPER_WINDOW} (only the rounds "
-              f"the paper's medians read) {every_round * PAPER_WINDOW / ROUNDS:.3f} h")
+              f"round, {seconds * eval_scale:.3f} s each); with eval-from = {ROUNDS - PAPER_WINDOW + 1} (only the "
+              f"rounds the paper's medians read) {every_round * PAPER_WINDOW / ROUNDS:.3f} h")
 
 
 def run_configuration(values: dict, shards: dict | None, args: argparse.Namespace, label: str,

@@ -42,35 +42,35 @@ def test_loss_and_accuracy_are_the_per_image_means_in_batches_of_any_size(one_th
     assert results[64, 1.0][0] != results[64, 40.0][0]  # the parameters reached the model
 
 
-def test_evaluation_due_every_nth_round_and_the_last_within_the_last_rounds():
-    def due(num_rounds: int, every: int, last_rounds: int) -> list[int]:
-        return [r for r in range(1, num_rounds + 1) if evaluation_due(r, num_rounds, every, last_rounds)]
+def test_evaluation_due_every_nth_round_from_the_first_and_the_last():
+    def due(num_rounds: int, every: int, first: int) -> list[int]:
+        return [r for r in range(1, num_rounds + 1) if evaluation_due(r, num_rounds, every, first)]
 
-    assert due(5, 1, 0) == [1, 2, 3, 4, 5]
-    assert due(7, 3, 0) == [3, 6, 7]  # and the last round
-    assert due(7, 0, 0) == [] and due(7, 0, 3) == []  # eval-every = 0: never
-    assert due(200, 1, 50) == list(range(151, 201))  # the paper's window, rounds 151-200
+    assert due(5, 1, 1) == [1, 2, 3, 4, 5]
+    assert due(7, 3, 1) == [3, 6, 7]  # and the last round
+    assert due(7, 0, 1) == [] and due(7, 0, 5) == []  # eval-every = 0: never
+    assert due(200, 1, 151) == list(range(151, 201))  # the paper's window, rounds 151-200
     assert due(10, 3, 5) == [6, 9, 10]
-    assert due(4, 1, 10) == [1, 2, 3, 4]  # a window longer than the run: every round
+    assert due(4, 1, 10) == [4]  # from past the end: the last round still evaluates
 
 
-def test_a_run_with_eval_last_rounds_evaluates_only_its_last_rounds(tmp_path, one_thread):
+def test_a_run_with_eval_from_evaluates_only_from_that_round(tmp_path, one_thread):
     """Rounds 3 and 4 of 4 evaluated, and every value the same as in the run evaluated every round."""
     rows = {}
-    for last_rounds in (0, 2):
+    for first in (1, 3):
         cfg = run_config_from_values({
             "model": "linear-softmax", "num-clients": 4, "clients-per-round": 2, "max-shard-size": 16,
-            "num-rounds": 4, "eval-last-rounds": last_rounds, "test-subset": 100, "checkpoint-every": 0,
-            "data-dir": str(SHARED_DATA), "output-dir": str(tmp_path), "run-name": f"last-{last_rounds}",
+            "num-rounds": 4, "eval-from": first, "test-subset": 100, "checkpoint-every": 0,
+            "data-dir": str(SHARED_DATA), "output-dir": str(tmp_path), "run-name": f"from-{first}",
         })
         run_local(cfg, echo=lambda _: None)
-        rows[last_rounds] = pd.read_csv(cfg.run_dir / "rounds.csv").drop(columns="seconds")
-    assert rows[2]["test_accuracy"].isna().tolist() == [True, True, False, False]
+        rows[first] = pd.read_csv(cfg.run_dir / "rounds.csv").drop(columns="seconds")
+    assert rows[3]["test_accuracy"].isna().tolist() == [True, True, False, False]
     tests = ["test_loss", "test_accuracy"]
-    pd.testing.assert_frame_equal(rows[2].drop(columns=tests), rows[0].drop(columns=tests))
-    pd.testing.assert_frame_equal(rows[2][tests].iloc[2:], rows[0][tests].iloc[2:])
+    pd.testing.assert_frame_equal(rows[3].drop(columns=tests), rows[1].drop(columns=tests))
+    pd.testing.assert_frame_equal(rows[3][tests].iloc[2:], rows[1][tests].iloc[2:])
 
 
-def test_eval_last_rounds_is_checked():
-    with pytest.raises(ConfigError, match="eval-last-rounds"):
-        run_config_from_values({"eval-last-rounds": -1})
+def test_eval_from_is_checked():
+    with pytest.raises(ConfigError, match="eval-from"):
+        run_config_from_values({"eval-from": 0})

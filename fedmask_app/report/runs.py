@@ -37,7 +37,7 @@ META_COLUMNS = ("run", "run_name", "bs", "tau", "K_c", "engine", "shard_min", "s
 # curvature-every / flatness-every: how often the server measures, not what.)
 NOT_CELL_KEYS = frozenset({
     "seed", "run-name", "output-dir", "resume", "data-dir", "device", "threads", "client-processes", "client-streams",
-    "checkpoint-every", "eval-batch-size", "eval-every", "eval-last-rounds", "round-timeout", "min-clients",
+    "checkpoint-every", "eval-batch-size", "eval-every", "eval-from", "round-timeout", "min-clients",
     "fast-simulation", "vectorize", "cuda-graphs", "skip-padding-taps", "curvature-every", "flatness-every",
 })
 # Values of run-config keys that older runs lack: what such a run did (each key came with a default
@@ -47,7 +47,7 @@ CONFIG_DEFAULTS = {
     "mask-mode": "none", "keep-prob": 0.5, "server-step": "fedavg", "keep-prob-schedule": "fixed",
     "fedexp-epsilon": 0.001, "penalty-target": 0.0, "keep-prob-min": 0.1, "probe-size": 128, "probe-file": "",
     "curvature-probes": 8, "penalty-draws": 16, "mask-granularity": "tensor", "flatness-probes": 8,
-    "lanczos-tol": 0.001, "lanczos-max-iter": 20, "eval-last-rounds": 0,
+    "lanczos-tol": 0.001, "lanczos-max-iter": 20, "eval-from": 1,
 }
 PAPER_ROUNDS, PAPER_WINDOW = 200, 50
 # Single-word columns run_summary and cell_summary compute or show apart. Run-config keys are

@@ -67,7 +67,7 @@ class RunConfig:
     penalty_target: float
     keep_prob_min: float
     eval_every: int
-    eval_last_rounds: int
+    eval_from: int
     test_subset: int
     eval_batch_size: int
     data_dir: str
@@ -133,8 +133,7 @@ class RunConfig:
         _require(self.mask_mode in MASK_MODES, "mask-mode", self.mask_mode, f"one of {', '.join(MASK_MODES)}")
         _require(self.aggregation in AGGREGATIONS, "aggregation", self.aggregation, f"one of {', '.join(AGGREGATIONS)}")
         _require(self.eval_every >= 0, "eval-every", self.eval_every, "an integer >= 0 (0: never)")
-        _require(self.eval_last_rounds >= 0, "eval-last-rounds", self.eval_last_rounds,
-                 "an integer >= 0 (0: from round 1)")
+        _require(self.eval_from >= 1, "eval-from", self.eval_from, "a round >= 1")
         _require(0 <= self.test_subset <= 10000, "test-subset", self.test_subset, "0 (all 10000) to 10000")
         _require(self.eval_batch_size >= 1, "eval-batch-size", self.eval_batch_size, "an integer >= 1")
         _require(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")

@@ -28,7 +28,7 @@ class Evaluator:
         self.labels = torch.from_numpy(data.y_test[:n]).to(self.device)
 
     def due(self, server_round: int) -> bool:
-        return evaluation_due(server_round, self.cfg.num_rounds, self.cfg.eval_every, self.cfg.eval_last_rounds)
+        return evaluation_due(server_round, self.cfg.num_rounds, self.cfg.eval_every, self.cfg.eval_from)
 
     @torch.no_grad()
     def __call__(self, params: list[np.ndarray]) -> tuple[float, float]:
@@ -49,11 +49,8 @@ class Evaluator:
         return (loss if math.isfinite(loss) else float("nan")), correct.item() / n
 
 
-def evaluation_due(server_round: int, num_rounds: int, every: int, last_rounds: int) -> bool:
-    """Whether round ``server_round`` of ``num_rounds`` evaluates: every ``every``-th round and the
-    last (``every`` = 0: never), only among the last ``last_rounds`` rounds when that is > 0 (the
-    paper reports test accuracy as a median over rounds 151–200: ``last_rounds = 50`` evaluates
-    just those)."""
-    if every == 0 or (last_rounds > 0 and server_round <= num_rounds - last_rounds):
-        return False
-    return server_round % every == 0 or server_round == num_rounds
+def evaluation_due(server_round: int, num_rounds: int, every: int, first: int) -> bool:
+    """Whether round ``server_round`` of ``num_rounds`` evaluates: every ``every``-th round from round
+    ``first`` on, and the last round (``every`` = 0: never). The paper reports test accuracy as a
+    median over rounds 151–200: ``first = 151`` evaluates just those (with ``every = 1``)."""
+    return every > 0 and (server_round == num_rounds or (server_round % every == 0 and server_round >= first))
