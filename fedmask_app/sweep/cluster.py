@@ -223,8 +223,8 @@ def _run_in(temp: Path, names: list[str], mappings: list[dict[str, Any]], files:
 
 
 def _run(names: list[str], mappings: list[dict[str, Any]], verbose: bool) -> list[tuple[str | None, int]]:
-    """Run with the local engine, several runs trained together; for each run (the error or None,
-    the round it resumed after)."""
+    """Run with the local engine, one run alone or several trained together; for each run (the
+    error or None, the round it resumed after)."""
     from fedmask_app.engines.local import run_local
     from fedmask_app.engines.run_group import run_group
 
