@@ -117,21 +117,22 @@ def test_runs_spread_over_the_nodes_and_write_what_one_machine_writes(tmp_path, 
 
 @pytest.mark.slow
 def test_groups_of_runs_trained_together_are_tasks_spread_over_the_nodes(tmp_path, two_nodes, capsys):
-    """--group-runs 2 with --ray-address: each group is one task (its runs on one node, the two
-    groups on different nodes), and every run's rows equal those of the same groups trained
+    """--group-runs 3 with --ray-address, four runs: each group is one task (its runs on one node,
+    the two groups on different nodes), the group of one trained as a group too (engine
+    local-grouped, as on one machine), and every run's rows equal those of the same groups trained
     together on one machine."""
     c, second = two_nodes
     grid = write_grid(tmp_path / "grid.toml", rounds=3).read_text().replace("seed = [0, 1]", "seed = [0, 1, 2, 3]")
     (tmp_path / "grid.toml").write_text(grid)
     out, reference = tmp_path / "out", tmp_path / "reference"
-    common = [str(tmp_path / "grid.toml"), data_dir(), "vectorize=true", "--group-runs", "2"]
+    common = [str(tmp_path / "grid.toml"), data_dir(), "vectorize=true", "--group-runs", "3"]
     args = [*common, "--output-dir", str(out), "--ray-address", c.address, "--no-shared-output", "--verbose"]
     assert sweep.main(args) == 0
     printed = capsys.readouterr().out
-    assert "2 group(s) of up to 2 runs trained together" in printed
+    assert "2 group(s) of up to 3 runs trained together" in printed
     nodes = dict(ON_NODE.findall(printed))
-    assert nodes["seed=0"] == nodes["seed=1"] != nodes["seed=2"] == nodes["seed=3"], nodes
-    assert {nodes["seed=0"], nodes["seed=2"]} == {c.head_node.node_id, second.node_id}
+    assert nodes["seed=0"] == nodes["seed=1"] == nodes["seed=2"] != nodes["seed=3"], nodes
+    assert {nodes["seed=0"], nodes["seed=3"]} == {c.head_node.node_id, second.node_id}
 
     assert sweep.main([*common, "--engine", "local", "--output-dir", str(reference)]) == 0
     for run in (f"seed={seed}" for seed in range(4)):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from fedmask_app.engines.flower.superlink import run_with_flower
-from fedmask_app.engines.run_group import form_groups, refuse_ungroupable
+from fedmask_app.engines.run_group import form_groups, refuse_ungroupable, run_on_local_engine
 from fedmask_app.run.config import (
     ConfigError,
     RunConfig,
@@ -46,12 +46,6 @@ def _run_flower(cfg: RunConfig, args: argparse.Namespace, on_round) -> None:
             tqdm.write(line)
 
     run_with_flower(cfg, args.num_cpus, args.num_gpus, on_line)
-
-
-def _run_local(cfg: RunConfig, args: argparse.Namespace, on_round) -> None:
-    from fedmask_app.engines.local import run_local
-
-    run_local(cfg, echo=lambda line: on_round(line) if ROUND_LINE.search(line) else None)
 
 
 RAY_HELP = """\
@@ -202,7 +196,6 @@ def _sweep_here(pending: list[tuple[GridRun, RunConfig]], groups: list[list[int]
     """One run after another in this process (local engine) or through `flwr run` (flower); with
     ``groups`` (--group-runs: indices into ``pending``), one group of runs trained together after another."""
     failed: list[str] = []
-    execute = _run_flower if args.engine == "flower" else _run_local
     batches = [[pending[i] for i in group] for group in groups] if groups else [[item] for item in pending]
 
     # Progress in client-epochs (rounds x K_c x tau), so the ETA weighs a tau = 5 round as five tau = 1 rounds.
@@ -221,10 +214,14 @@ def _sweep_here(pending: list[tuple[GridRun, RunConfig]], groups: list[list[int]
                 bar.update(work(cfg, 1))
                 tqdm.write(f"[{cfg.name}] {line}" if groups else line)
 
-            if groups:
-                errors = _run_group([cfg for _, cfg in batch], on_round)
+            def echo_for(cfg: RunConfig):
+                return lambda line: on_round(line, cfg) if ROUND_LINE.search(line) else None
+
+            if args.engine == "flower":
+                errors = [_attempt(lambda cfg=batch[0][1]: _run_flower(cfg, args, lambda line: on_round(line, cfg)))]
             else:
-                errors = [_attempt(lambda cfg=batch[0][1]: execute(cfg, args, lambda line: on_round(line, cfg)))]
+                errors = run_on_local_engine([cfg for _, cfg in batch], [echo_for(cfg) for _, cfg in batch],
+                                             together=bool(groups))
             for (run, cfg), error in zip(batch, errors, strict=True):
                 if error is not None:  # report it and go on with the next run
                     tqdm.write(f"[sweep] {run.name} raised {type(error).__name__}: {error}")
@@ -255,18 +252,6 @@ def _attempt(call) -> Exception | None:
     return None
 
 
-def _run_group(cfgs: list[RunConfig], on_round) -> list[Exception | None]:
-    from fedmask_app.engines.run_group import run_group
-
-    def echo_for(cfg: RunConfig):
-        return lambda line: on_round(line, cfg) if ROUND_LINE.search(line) else None
-
-    try:
-        return run_group(cfgs, [echo_for(cfg) for cfg in cfgs])
-    except Exception as exc:  # the group could not start: every run of it failed
-        return [exc] * len(cfgs)
-
-
 def _sweep_on_ray(pending: list[tuple[GridRun, RunConfig]], groups: list[list[int]], args: argparse.Namespace
                   ) -> list[str]:
     """Every run, or with ``groups`` every group of runs trained together, as a Ray task
@@ -275,7 +260,7 @@ def _sweep_on_ray(pending: list[tuple[GridRun, RunConfig]], groups: list[list[in
 
     options = cluster.TaskOptions(cpus=args.run_cpus, gpus=args.run_gpus, resources=args.run_resources,
                                   shared_output=args.shared_output, max_retries=args.max_retries,
-                                  verbose=args.verbose)
+                                  verbose=args.verbose, train_together=bool(groups))
     by_name = {cfg.name: (run, cfg) for run, cfg in pending}
     failed: list[str] = []
     with cluster.connect(args.ray_address, args.verbose) as where:

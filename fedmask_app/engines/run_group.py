@@ -28,7 +28,7 @@ import numpy as np
 
 from clients.cuda_graphs import CudaGraphCohortStep
 from clients.vectorized import CohortStep, grouped_local_updates
-from fedmask_app.engines.local import local_train_round, resident_on
+from fedmask_app.engines.local import local_train_round, resident_on, run_local
 from fedmask_app.run.client_task import ClientTask, local_training
 from fedmask_app.run.config import ConfigError, RunConfig
 from fedmask_app.run.device import pick_device, refuse_graphs_without_cuda
@@ -238,3 +238,19 @@ def run_group(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]]
             thread.join()
         raise
     return errors
+
+
+def run_on_local_engine(cfgs: Sequence[RunConfig], echoes: Sequence[Callable[[str], None]], together: bool
+                        ) -> list[Exception | None]:
+    """Run ``cfgs`` on the local engine — trained together (``run_group``; a group of one too, so
+    that every run of a ``--group-runs`` sweep is engine ``local-grouped``) or, ``together`` false,
+    the one run alone (``run_local``) — and return what each run raised (None: it finished). An
+    error before the runs start (a group that cannot form) is every run's."""
+    try:
+        if together:
+            return run_group(cfgs, echoes)
+        (cfg,), (echo,) = cfgs, echoes
+        run_local(cfg, echo=echo)
+    except Exception as exc:
+        return [exc] * len(cfgs)
+    return [None]

@@ -72,6 +72,7 @@ class TaskOptions:
     shared_output: bool = True
     max_retries: int = 3  # retries after a lost worker or node, not after an error the run raised
     verbose: bool = False
+    train_together: bool = False  # --group-runs: each task's runs trained together (a group of one too)
 
 
 @dataclass(frozen=True)
@@ -189,26 +190,26 @@ def missing_resources(options: TaskOptions) -> str | None:
 # ---------------------------------------------------------------- the task
 
 
-def execute_runs(names: list[str], mappings: list[dict[str, Any]], shared_output: bool,
+def execute_runs(names: list[str], mappings: list[dict[str, Any]], together: bool, shared_output: bool,
                  files: list[dict[str, bytes]] | None, verbose: bool) -> list[RunOutcome]:
     """The body of a Ray task: run ``mappings`` (RunConfig mappings, run folders ``names``) with
-    the local engine — one run, or several trained together (``run_group``) — and say where they
-    ran. Errors of the runs are returned, not raised (so they are not retried)."""
+    the local engine — one run alone, or ``together`` as a group (``run_on_local_engine``) — and say
+    where they ran. Errors of the runs are returned, not raised (so they are not retried)."""
     started = time.perf_counter()
     node_id, pid = ray.get_runtime_context().get_node_id(), os.getpid()
     mappings = [{**mapping, "resume": True} for mapping in mappings]
     if shared_output:
-        ended = _run(names, mappings, verbose)
+        ended = _run(names, mappings, together, verbose)
         return [RunOutcome(name, node_id, pid, error, resumed, time.perf_counter() - started)
                 for name, (error, resumed) in zip(names, ended, strict=True)]
     with tempfile.TemporaryDirectory(prefix="fedmask-run-") as temp:
-        ended = _run_in(Path(temp), names, mappings, files or [{} for _ in names], verbose)
+        ended = _run_in(Path(temp), names, mappings, together, files or [{} for _ in names], verbose)
     return [RunOutcome(name, node_id, pid, error, resumed, time.perf_counter() - started, out)
             for name, (error, resumed, out) in zip(names, ended, strict=True)]
 
 
-def _run_in(temp: Path, names: list[str], mappings: list[dict[str, Any]], files: list[dict[str, bytes]],
-            verbose: bool) -> list[tuple[str | None, int, dict[str, bytes]]]:
+def _run_in(temp: Path, names: list[str], mappings: list[dict[str, Any]], together: bool,
+            files: list[dict[str, bytes]], verbose: bool) -> list[tuple[str | None, int, dict[str, bytes]]]:
     """Run with ``temp`` as output-dir, each run starting from its ``files``; return each run
     folder's files as the driver's output-dir holds them."""
     for name, run_files in zip(names, files, strict=True):
@@ -216,17 +217,17 @@ def _run_in(temp: Path, names: list[str], mappings: list[dict[str, Any]], files:
         run_dir.mkdir(parents=True)
         for file_name, data in run_files.items():
             (run_dir / file_name).write_bytes(data)
-    ended = _run(names, [{**mapping, "output-dir": str(temp)} for mapping in mappings], verbose)
+    ended = _run(names, [{**mapping, "output-dir": str(temp)} for mapping in mappings], together, verbose)
     for name, mapping in zip(names, mappings, strict=True):  # config.json names the folder it is written to
         _retarget(temp / name / CONFIG_FILE, mapping["output-dir"])
     return [(error, resumed, read_run_files(temp / name)) for name, (error, resumed) in zip(names, ended, strict=True)]
 
 
-def _run(names: list[str], mappings: list[dict[str, Any]], verbose: bool) -> list[tuple[str | None, int]]:
-    """Run with the local engine, one run alone or several trained together; for each run (the
-    error or None, the round it resumed after)."""
-    from fedmask_app.engines.local import run_local
-    from fedmask_app.engines.run_group import run_group
+def _run(names: list[str], mappings: list[dict[str, Any]], together: bool, verbose: bool
+         ) -> list[tuple[str | None, int]]:
+    """Run with the local engine, one run alone or ``together``; for each run (the error or None,
+    the round it resumed after)."""
+    from fedmask_app.engines.run_group import run_on_local_engine
 
     resumed = [0] * len(names)
 
@@ -238,16 +239,12 @@ def _run(names: list[str], mappings: list[dict[str, Any]], verbose: bool) -> lis
                 print(f"[{names[index]}] {line}" if len(names) > 1 else line, flush=True)
         return echo
 
-    echoes = [echo_for(i) for i in range(len(names))]
     try:
         cfgs = [RunConfig.from_mapping(mapping) for mapping in mappings]
-        if len(cfgs) == 1:
-            run_local(cfgs[0], echo=echoes[0])
-            errors: list[Exception | None] = [None]
-        else:
-            errors = run_group(cfgs, echoes)
     except Exception as exc:  # reported by the driver, as a failing run on one machine is
-        errors = [exc] * len(names)
+        errors: list[Exception | None] = [exc] * len(names)
+    else:
+        errors = run_on_local_engine(cfgs, [echo_for(i) for i in range(len(names))], together)
     if verbose:
         for error in errors:
             if error is not None:
@@ -287,21 +284,21 @@ def write_run_files(run_dir: Path, files: dict[str, bytes]) -> None:
 _task = ray.remote(execute_runs)
 
 
-def task_name(cfgs: list[RunConfig]) -> str:
+def task_name(cfgs: list[RunConfig], together: bool) -> str:
     """``fedmask-run:<run>``, or ``fedmask-runs:<run>+<run>...`` for runs trained together (``ray
     list tasks`` and the workers' process titles show it)."""
-    return f"fedmask-run:{cfgs[0].name}" if len(cfgs) == 1 else "fedmask-runs:" + "+".join(c.name for c in cfgs)
+    return "fedmask-runs:" + "+".join(c.name for c in cfgs) if together else f"fedmask-run:{cfgs[0].name}"
 
 
 def submit(cfgs: list[RunConfig], options: TaskOptions) -> ray.ObjectRef:
     """One Ray task for ``cfgs``: a run, or runs trained together (``--group-runs``)."""
     files = None if options.shared_output else [read_run_files(cfg.run_dir) for cfg in cfgs]
     return _task.options(
-        name=task_name(cfgs), num_cpus=options.cpus, num_gpus=options.gpus,
+        name=task_name(cfgs, options.train_together), num_cpus=options.cpus, num_gpus=options.gpus,
         resources=dict(options.resources), max_retries=options.max_retries, retry_exceptions=False,
         scheduling_strategy="SPREAD",
-    ).remote([cfg.name for cfg in cfgs], [cfg.to_mapping() for cfg in cfgs], options.shared_output, files,
-             options.verbose)
+    ).remote([cfg.name for cfg in cfgs], [cfg.to_mapping() for cfg in cfgs], options.train_together,
+             options.shared_output, files, options.verbose)
 
 
 def run_all(batches: list[list[RunConfig]], options: TaskOptions) -> Iterator[RunOutcome]:
