@@ -13,7 +13,12 @@ have them.
 
 Writes into --out: summary.csv (one row per cell) and fig1.png; curvature.png when any run has
 ρ_H values; comparison.csv and comparison.png when the runs differ in mask-mode, server-step or
-mask-granularity.
+mask-granularity; at_accuracy.csv and recovery_vs_accuracy.png with --at-accuracy.
+
+--at-accuracy LEVEL...: each run read where it first reaches a test accuracy instead of at its last
+round, so runs at different stages of training (another model, optimizer, split) compare at equal
+accuracy: for each level, the first round r whose median test accuracy over rounds r - window + 1
+.. r reaches it, and the window medians of 1/ΔS, ‖μ̂‖², σ̂² over those rounds (full rounds only).
 """
 
 from __future__ import annotations
@@ -41,9 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", type=Path, default=None, metavar="FILE.csv",
                         help="a table with columns bs, tau, alpha and any of "
                              f"{', '.join(report.REPORTED)}: adds <metric>_ref and <metric>_ratio = ours / reference")
+    parser.add_argument("--at-accuracy", type=float, nargs="+", default=[], metavar="LEVEL",
+                        help="also read each run where its windowed test accuracy first reaches LEVEL "
+                             "(a fraction, e.g. 0.4 0.45): at_accuracy.csv, recovery_vs_accuracy.png")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error(f"--window must be >= 1, got {args.window}")
+    outside = [level for level in args.at_accuracy if not 0 < level <= 1]
+    if outside:
+        parser.error(f"--at-accuracy levels are fractions in (0, 1], got {', '.join(map(str, outside))}")
 
     try:
         reference = report.read_reference(args.reference) if args.reference else None
@@ -106,6 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         written += [out / "comparison.csv", out / "comparison.png"]
         table.to_csv(written[-2], index=False)
         report.comparison_figure(rounds, runs, written[-1])
+    if args.at_accuracy:
+        table = report.at_accuracy(rounds, args.at_accuracy, args.window)
+        print(f"\nat equal test accuracy (window medians over the {args.window} rounds ending where each run "
+              "first reaches the level; NaN: never reached):")
+        print(table.drop(columns=["run", "run_name"]).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        written += [out / "at_accuracy.csv", out / "recovery_vs_accuracy.png"]
+        table.to_csv(written[-2], index=False)
+        report.recovery_accuracy_figure(rounds, table, args.window, written[-1])
     print(f"\nwrote {', '.join(map(str, written))}")
     return 0
 

@@ -1,7 +1,7 @@
 """Reading results the way the paper does: run folders as data (runs, shards), per-run and per-cell
 medians and their table (tables), what differs from the paper's protocol (protocol), a reference
 join (reference), Fig. 1 (figures), the server's curvature measurements (curvature) and the masking
-comparison (comparison). No torch."""
+comparison (comparison), runs read at equal test accuracy (stage). No torch."""
 
 from fedmask_app.report.comparison import (
     SPREAD_NOTE,
@@ -30,6 +30,7 @@ from fedmask_app.report.runs import (
     load_runs,
 )
 from fedmask_app.report.shards import SHARDS_COLUMNS, read_shards
+from fedmask_app.report.stage import AT_ACCURACY_COLUMNS, at_accuracy, recovery_accuracy_figure, windowed_medians
 from fedmask_app.report.tables import (
     RECOVERY_METRICS,
     SHORT_ROUNDS_LIMIT,
@@ -46,11 +47,12 @@ from fedmask_app.report.tables import (
 )
 
 __all__ = [
-    "CONFIG_DEFAULTS", "KEYS", "MEASURES", "METRICS", "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW",
-    "RECOVERY_METRICS", "REPORTED", "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE",
-    "TRAINING_KEYS", "SummaryError", "cell_labels", "cell_rounds", "cell_summary", "compares_training",
-    "comparison_figure", "comparison_table", "config_keys", "curvature_figure", "decomposition_curve", "fig1",
-    "find_run_dirs", "format_comparison", "format_table", "has_curvature", "incomplete_runs", "join_reference",
-    "load_runs", "local_steps", "measurement_columns", "protocol_deviations", "protocol_note", "read_reference",
-    "read_shards", "run_summary", "table_columns", "table_note", "unmatched_reference", "varying_keys",
+    "AT_ACCURACY_COLUMNS", "CONFIG_DEFAULTS", "KEYS", "MEASURES", "METRICS", "NOT_CELL_KEYS", "PAPER_ROUNDS",
+    "PAPER_WINDOW", "RECOVERY_METRICS", "REPORTED", "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT",
+    "SPREAD_NOTE", "TRAINING_KEYS", "SummaryError", "at_accuracy", "cell_labels", "cell_rounds", "cell_summary",
+    "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_figure",
+    "decomposition_curve", "fig1", "find_run_dirs", "format_comparison", "format_table", "has_curvature",
+    "incomplete_runs", "join_reference", "load_runs", "local_steps", "measurement_columns", "protocol_deviations",
+    "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure", "run_summary", "table_columns",
+    "table_note", "unmatched_reference", "varying_keys", "windowed_medians",
 ]

@@ -23,6 +23,15 @@ def decomposition_curve(r, k):
     return (k * r + 1.0) / (r + 1.0)
 
 
+def log_recovery_axis(ax, low: float, high: float) -> None:
+    """A log-scale y axis from ``low`` to ``high`` with recovery factors as plain numbers (1, 1.5, 2, ...)."""
+    ax.set_yscale("log")
+    ax.set_ylim(low, high)
+    ticks = [t for t in (0.1, 0.2, 0.5, 1, 1.5, 2, 3, 5, 7, 10, 15, 20, 30, 50, 100) if low <= t <= high]
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
@@ -61,12 +70,7 @@ def fig1(cells: pd.DataFrame, path: str | Path | None = None):
     top = max([*ceilings, *values, 1.0])
     bottom = min([*values, 1.0])
     if top / bottom >= 5:
-        ax.set_yscale("log")
-        ax.set_ylim(bottom / 1.5, top * 1.6)
-        ticks = [t for t in (0.1, 0.2, 0.5, 1, 1.5, 2, 3, 5, 7, 10, 15, 20, 30, 50, 100)
-                 if bottom / 1.5 <= t <= top * 1.6]
-        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
-        ax.yaxis.set_minor_formatter(NullFormatter())
+        log_recovery_axis(ax, bottom / 1.5, top * 1.6)
     else:
         ax.set_ylim(0, top * 1.15)
     ax.margins(x=0.15)

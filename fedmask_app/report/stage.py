@@ -1,0 +1,102 @@
+"""Runs compared at equal test accuracy rather than at equal rounds (``fedmask-report --at-accuracy``).
+
+The recovery factor falls as training goes on, so two models, optimizers or data splits read at the
+same round may be at different stages of training: a difference in 1/ΔS can be the stage, not the
+configuration. Here each run is read where it first reaches a test accuracy: for a level a, the
+first round r whose median test accuracy over rounds r − window + 1 .. r is at least a, and the
+medians of the recovery statistics over the same rounds — the same window medians as
+``run_summary``, over the window ending at r instead of the run's last round (full rounds only for
+the recovery statistics, as there; rounds that were not evaluated are skipped). Where the window
+would start before round 1 it starts there: ``window_rounds`` says how many rounds it held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from fedmask_app.report.figures import log_recovery_axis
+from fedmask_app.report.tables import RECOVERY_METRICS, run_summary
+
+AT_ACCURACY_COLUMNS = ("run", "run_name", "cell", "seed", "level", "round", "window_rounds", "test_accuracy",
+                       *RECOVERY_METRICS, "sigma2_over_mu2")
+
+
+def windowed_medians(group: pd.DataFrame, window: int) -> pd.DataFrame:
+    """One run's rows (a load_runs group): per round r, the median over rounds r − window + 1 .. r
+    of test accuracy (evaluated rounds) and of each recovery statistic (full rounds only), indexed by
+    round; ``window_rounds``: how many of rounds 1 .. r that window holds."""
+    rows = group.dropna(subset=["round"]).set_index("round").sort_index()
+    if rows.empty:
+        return pd.DataFrame(columns=["test_accuracy", *RECOVERY_METRICS, "window_rounds"])
+    rounds = pd.RangeIndex(1, int(rows.index.max()) + 1, name="round")
+    rows = rows.reindex(rounds)
+    k_c = pd.to_numeric(group["K_c"], errors="coerce").iloc[0]
+    full = rows["num_clients"] >= k_c if np.isfinite(k_c) else rows["num_clients"].notna()
+    columns = {"test_accuracy": rows["test_accuracy"], **{m: rows[m].where(full) for m in RECOVERY_METRICS}}
+    out = pd.DataFrame({name: values.rolling(window, min_periods=1).median() for name, values in columns.items()})
+    out["window_rounds"] = np.minimum(rounds.to_numpy(), window)
+    return out
+
+
+def reaching_round(accuracy: pd.Series, level: float) -> int | None:
+    """The first round (index of ``accuracy``, windowed medians) at which it is at least ``level``."""
+    reached = accuracy.index[accuracy.to_numpy() >= level]
+    return int(reached[0]) if len(reached) else None
+
+
+def at_accuracy(rounds: pd.DataFrame, levels: Sequence[float], window: int) -> pd.DataFrame:
+    """One row per run and level (AT_ACCURACY_COLUMNS): the first round the run's windowed median
+    test accuracy reaches the level and the window medians there; round and statistics NaN for a
+    run that never reaches it. Runs in load order, levels ascending."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    outside = [level for level in levels if not 0 < level <= 1]
+    if outside:
+        raise ValueError(f"accuracy levels must lie in (0, 1], got {outside}")
+    runs = run_summary(rounds, window)
+    cells = dict(zip(runs["run"], runs["cell"], strict=True))
+    out = []
+    for run, group in rounds.groupby("run", sort=False):
+        medians = windowed_medians(group, window)
+        for level in sorted(levels):
+            r = reaching_round(medians["test_accuracy"], level)
+            there = medians.loc[r] if r is not None else pd.Series(np.nan, index=medians.columns)
+            row = {"run": run, "run_name": group["run_name"].iloc[0], "cell": cells[run],
+                   "seed": group["seed"].iloc[0] if "seed" in group else np.nan, "level": level,
+                   "round": r if r is not None else np.nan, "window_rounds": there["window_rounds"],
+                   "test_accuracy": there["test_accuracy"], **{m: there[m] for m in RECOVERY_METRICS}}
+            row["sigma2_over_mu2"] = row["sigma2_hat"] / row["mu2_hat"] if row["mu2_hat"] else np.nan
+            out.append(row)
+    return pd.DataFrame(out, columns=list(AT_ACCURACY_COLUMNS))
+
+
+def recovery_accuracy_figure(rounds: pd.DataFrame, table: pd.DataFrame, window: int, path: str | Path) -> None:
+    """Per run, the windowed median 1/ΔS (y, log scale) against the windowed median test accuracy
+    (x) round by round, with the rounds where it first reaches each level of ``table`` marked (PNG)."""
+    fig = Figure(figsize=(8.5, 5.2), layout="constrained")
+    ax = fig.add_subplot()
+    shown = []
+    for i, (run, group) in enumerate(rounds.groupby("run", sort=False)):
+        medians = windowed_medians(group, window).dropna(subset=["test_accuracy", "recovery"])
+        shown += list(medians["recovery"][medians["recovery"] > 0])
+        rows = table[table["run"] == run]
+        marks = rows[rows["round"].notna()]
+        colour = f"C{i % 10}"
+        ax.plot(100 * medians["test_accuracy"], medians["recovery"], color=colour, linewidth=1.2,
+                label=f"{rows['cell'].iloc[0]}, seed {rows['seed'].iloc[0]}")
+        ax.scatter(100 * marks["test_accuracy"], marks["recovery"], color=colour, edgecolor="black", zorder=3, s=30)
+    for level in sorted(table["level"].unique()):
+        ax.axvline(100 * level, color="grey", linestyle=":", linewidth=0.8)
+    if shown:
+        log_recovery_axis(ax, min(shown) / 1.2, max(shown) * 1.2)
+    ax.set_xlabel(f"test accuracy (%), median of the last {window} rounds")
+    ax.set_ylabel(f"recovery factor 1/ΔS, median of the last {window} full rounds")
+    ax.set_title("Recovery at equal test accuracy (dots: first round at each dotted level)", fontsize=10)
+    ax.legend(fontsize=8)
+    FigureCanvasAgg(fig).print_png(str(path))
