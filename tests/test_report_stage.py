@@ -56,18 +56,20 @@ def test_levels_and_window_are_checked():
 
 
 def test_report_cli_at_accuracy_table_and_figure(tmp_path, capsys):
-    """Two models, window 1: the CNN reaches 0.4 at round 3 (1/ΔS 4), ResNet at round 2 (1/ΔS 2)."""
+    """Two models of 6 and 4 rounds, window 1: the CNN reaches 0.4 at round 3 (1/ΔS 4), ResNet at
+    round 2 (1/ΔS 2); 0.55: ResNet at round 4, the CNN never."""
     results = tmp_path / "results"
     write_run(results, "cnn", {"model": "cnn-fedavg"}, rows([6, 5, 4, 3, 3, 3], test_accuracy=[.2, .3, .4, .5, .5, .5]))
-    write_run(results, "resnet", {"model": "resnet18-gn"}, rows([3, 2, 2, 1, 1, 1],
-                                                               test_accuracy=[.3, .4, .5, .6, .6, .6]))
+    write_run(results, "resnet", {"model": "resnet18-gn", "num-rounds": 4}, rows([3, 2, 2, 1],
+                                                                                 test_accuracy=[.3, .4, .5, .6]))
     out = tmp_path / "report"
     assert report_cli.main([str(results), "--window", "1", "--out", str(out), "--at-accuracy", "0.4", "0.55"]) == 0
     printed = capsys.readouterr().out
+    assert "reduced protocol: 4-6 rounds, window 1 (each run's last 1 rounds)" in printed
     assert "at equal test accuracy" in printed and "model=cnn-fedavg" in printed and "model=resnet18-gn" in printed
     table = pd.read_csv(out / "at_accuracy.csv").set_index(["run_name", "level"])
     assert len(table) == 4
-    assert list(pd.read_csv(out / "at_accuracy.csv").columns) == list(report.AT_ACCURACY_COLUMNS)
+    assert list(pd.read_csv(out / "at_accuracy.csv").columns) == [c for c in report.AT_ACCURACY_COLUMNS if c != "run"]
     assert (table.loc[("cnn", 0.4), "round"], table.loc[("cnn", 0.4), "recovery"]) == (3, 4)
     assert (table.loc[("resnet", 0.4), "round"], table.loc[("resnet", 0.4), "recovery"]) == (2, 2)
     assert math.isnan(table.loc[("cnn", 0.55), "round"]) and table.loc[("resnet", 0.55), "round"] == 4

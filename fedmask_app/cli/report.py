@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
               "first reaches the level; NaN: never reached):")
         print(table.drop(columns=["run", "run_name"]).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
         written += [out / "at_accuracy.csv", out / "recovery_vs_accuracy.png"]
-        table.to_csv(written[-2], index=False)
+        table.drop(columns=["run"]).to_csv(written[-2], index=False)  # run: an absolute path
         report.recovery_accuracy_figure(rounds, table, args.window, written[-1])
     print(f"\nwrote {', '.join(map(str, written))}")
     return 0

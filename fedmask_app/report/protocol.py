@@ -89,7 +89,7 @@ def protocol_note(cells: pd.DataFrame) -> str:
         head = f"paper protocol: {n} rounds, window {window}"
     else:
         start = max(1, int(rounds[-1]) - window + 1)
-        covered = f"rounds {start}-{rounds[-1]}" if len(rounds) == 1 else f"window {window}"
+        covered = f"rounds {start}-{rounds[-1]}" if len(rounds) == 1 else f"each run's last {window} rounds"
         head = (f"reduced protocol: {n} rounds, window {window} ({covered}); "
                 f"the paper's is {PAPER_ROUNDS} rounds, window {PAPER_WINDOW}")
     return f"{head}. Differs from the paper: {'; '.join(protocol_deviations(cells))}."
