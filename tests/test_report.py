@@ -467,5 +467,5 @@ def test_tiny_sweep_then_notebook(tmp_path):
             else:
                 os.environ[key] = value
     pngs = sorted(p.name for p in figures.glob("*.png"))
-    assert pngs == ["fig1.png", "per_round.png", "recovery_vs_r.png"]
+    assert pngs == ["fig1.png", "per_round.png", "recovery_vs_accuracy.png", "recovery_vs_r.png"]
     assert all((figures / name).read_bytes()[:8] == PNG_MAGIC for name in pngs)

@@ -76,9 +76,11 @@ def at_accuracy(rounds: pd.DataFrame, levels: Sequence[float], window: int) -> p
     return pd.DataFrame(out, columns=list(AT_ACCURACY_COLUMNS))
 
 
-def recovery_accuracy_figure(rounds: pd.DataFrame, table: pd.DataFrame, window: int, path: str | Path) -> None:
+def recovery_accuracy_figure(rounds: pd.DataFrame, table: pd.DataFrame, window: int,
+                             path: str | Path | None = None) -> Figure:
     """Per run, the windowed median 1/ΔS (y, log scale) against the windowed median test accuracy
-    (x) round by round, with the rounds where it first reaches each level of ``table`` marked (PNG)."""
+    (x) round by round, with the rounds where it first reaches each level of ``table`` (``at_accuracy``)
+    marked. Saved as PNG to ``path`` if given."""
     fig = Figure(figsize=(8.5, 5.2), layout="constrained")
     ax = fig.add_subplot()
     shown = []
@@ -99,4 +101,6 @@ def recovery_accuracy_figure(rounds: pd.DataFrame, table: pd.DataFrame, window: 
     ax.set_ylabel(f"recovery factor 1/ΔS, median of the last {window} full rounds")
     ax.set_title("Recovery at equal test accuracy (dots: first round at each dotted level)", fontsize=10)
     ax.legend(fontsize=8)
-    FigureCanvasAgg(fig).print_png(str(path))
+    if path is not None:
+        FigureCanvasAgg(fig).print_png(str(path))
+    return fig
