@@ -17,12 +17,17 @@ def _by_level(table: pd.DataFrame) -> pd.DataFrame:
     return table.set_index("level")
 
 
+def _at_accuracy(root, levels, window: int) -> pd.DataFrame:
+    rounds = report.load_runs([root])
+    return report.at_accuracy(rounds, report.run_summary(rounds, window), levels, window)
+
+
 def test_first_round_of_the_windowed_accuracy_and_the_medians_there(tmp_path):
     """Window 2. Accuracy [.1, .3, .2, .5, .6, .4] -> windowed [.1, .2, .25, .35, .55, .5];
     1/ΔS [8, 6, 4, 3, 2, 1] -> [8, 7, 5, 3.5, 2.5, 1.5]. Raw accuracy passes 0.3 at round 2, the
     windowed median only at round 4. σ̂² = 2·1/ΔS and ‖μ̂‖² = 3·1/ΔS (write_run) -> ratio 2/3."""
     write_run(tmp_path, "a", {}, rows([8, 6, 4, 3, 2, 1], test_accuracy=[0.1, 0.3, 0.2, 0.5, 0.6, 0.4]))
-    table = _by_level(report.at_accuracy(report.load_runs([tmp_path]), [0.5, 0.1, 0.3, 0.7], window=2))
+    table = _by_level(_at_accuracy(tmp_path, [0.5, 0.1, 0.3, 0.7], window=2))
     assert list(table.index) == [0.1, 0.3, 0.5, 0.7]  # ascending
     assert (table.loc[0.1, "round"], table.loc[0.1, "window_rounds"], table.loc[0.1, "recovery"]) == (1, 1, 8)
     assert (table.loc[0.3, "round"], table.loc[0.3, "window_rounds"]) == (4, 2)
@@ -41,7 +46,7 @@ def test_short_rounds_and_rounds_not_evaluated_are_skipped(tmp_path):
     accuracy {.4} = .4, 1/ΔS {3, 5} = 4."""
     write_run(tmp_path, "a", {"num-rounds": 4}, rows(
         [1, 100, 3, 5], num_clients=[10, 8, 10, 10], test_accuracy=[0.2, NAN, 0.4, NAN]))
-    table = _by_level(report.at_accuracy(report.load_runs([tmp_path]), [0.3, 0.35], window=3))
+    table = _by_level(_at_accuracy(tmp_path, [0.3, 0.35], window=3))
     assert (table.loc[0.3, "round"], table.loc[0.3, "recovery"]) == (3, pytest.approx(2.0))
     assert (table.loc[0.35, "round"], table.loc[0.35, "recovery"]) == (4, pytest.approx(4.0))
     assert table.loc[0.35, "test_accuracy"] == pytest.approx(0.4)
@@ -50,9 +55,9 @@ def test_short_rounds_and_rounds_not_evaluated_are_skipped(tmp_path):
 def test_levels_and_window_are_checked():
     frame = pd.DataFrame()
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
-        report.at_accuracy(frame, [45], window=5)
+        report.at_accuracy(frame, frame, [45], window=5)
     with pytest.raises(ValueError, match="window"):
-        report.at_accuracy(frame, [0.4], window=0)
+        report.at_accuracy(frame, frame, [0.4], window=0)
 
 
 def test_report_cli_at_accuracy_table_and_figure(tmp_path, capsys):

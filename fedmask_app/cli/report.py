@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error(f"--window must be >= 1, got {args.window}")
-    outside = [level for level in args.at_accuracy if not 0 < level <= 1]
-    if outside:
-        parser.error(f"--at-accuracy levels are fractions in (0, 1], got {', '.join(map(str, outside))}")
+    try:
+        report.check_levels(args.at_accuracy)
+    except ValueError as exc:
+        parser.error(f"--at-accuracy {exc}")
 
     try:
         reference = report.read_reference(args.reference) if args.reference else None
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         table.to_csv(written[-2], index=False)
         report.comparison_figure(rounds, runs, written[-1])
     if args.at_accuracy:
-        table = report.at_accuracy(rounds, args.at_accuracy, args.window)
+        table = report.at_accuracy(rounds, runs, args.at_accuracy, args.window)
         print(f"\nat equal test accuracy (window medians over the {args.window} rounds ending where each run "
               "first reaches the level; NaN: never reached):")
         print(table.drop(columns=["run", "run_name"]).to_string(index=False, float_format=lambda x: f"{x:.4g}"))

@@ -30,7 +30,13 @@ from fedmask_app.report.runs import (
     load_runs,
 )
 from fedmask_app.report.shards import SHARDS_COLUMNS, read_shards
-from fedmask_app.report.stage import AT_ACCURACY_COLUMNS, at_accuracy, recovery_accuracy_figure, windowed_medians
+from fedmask_app.report.stage import (
+    AT_ACCURACY_COLUMNS,
+    at_accuracy,
+    check_levels,
+    recovery_accuracy_figure,
+    windowed_medians,
+)
 from fedmask_app.report.tables import (
     RECOVERY_METRICS,
     SHORT_ROUNDS_LIMIT,
@@ -50,7 +56,7 @@ __all__ = [
     "AT_ACCURACY_COLUMNS", "CONFIG_DEFAULTS", "KEYS", "MEASURES", "METRICS", "NOT_CELL_KEYS", "PAPER_ROUNDS",
     "PAPER_WINDOW", "RECOVERY_METRICS", "REPORTED", "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT",
     "SPREAD_NOTE", "TRAINING_KEYS", "SummaryError", "at_accuracy", "cell_labels", "cell_rounds", "cell_summary",
-    "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_figure",
+    "check_levels", "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_figure",
     "decomposition_curve", "fig1", "find_run_dirs", "format_comparison", "format_table", "has_curvature",
     "incomplete_runs", "join_reference", "load_runs", "local_steps", "measurement_columns", "protocol_deviations",
     "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure", "run_summary", "table_columns",

@@ -21,7 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedmask_app.report.figures import log_recovery_axis
-from fedmask_app.report.tables import RECOVERY_METRICS, run_summary
+from fedmask_app.report.tables import RECOVERY_METRICS
 
 AT_ACCURACY_COLUMNS = ("run", "run_name", "cell", "seed", "level", "round", "window_rounds", "test_accuracy",
                        *RECOVERY_METRICS, "sigma2_over_mu2")
@@ -50,25 +50,31 @@ def reaching_round(accuracy: pd.Series, level: float) -> int | None:
     return int(reached[0]) if len(reached) else None
 
 
-def at_accuracy(rounds: pd.DataFrame, levels: Sequence[float], window: int) -> pd.DataFrame:
-    """One row per run and level (AT_ACCURACY_COLUMNS): the first round the run's windowed median
-    test accuracy reaches the level and the window medians there; round and statistics NaN for a
-    run that never reaches it. Runs in load order, levels ascending."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+def check_levels(levels: Sequence[float]) -> None:
+    """Accuracy levels are fractions in (0, 1]: a ValueError names those that are not."""
     outside = [level for level in levels if not 0 < level <= 1]
     if outside:
-        raise ValueError(f"accuracy levels must lie in (0, 1], got {outside}")
-    runs = run_summary(rounds, window)
-    cells = dict(zip(runs["run"], runs["cell"], strict=True))
+        raise ValueError(f"levels are fractions in (0, 1], got {', '.join(map(str, outside))}")
+
+
+def at_accuracy(rounds: pd.DataFrame, runs: pd.DataFrame, levels: Sequence[float], window: int) -> pd.DataFrame:
+    """One row per run and level (AT_ACCURACY_COLUMNS): the first round the run's windowed median
+    test accuracy reaches the level and the window medians there; round and statistics NaN for a
+    run that never reaches it. ``runs``: ``run_summary(rounds, window)``, for each run's cell and seed.
+    Runs in load order, levels ascending."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    check_levels(levels)
+    summaries = runs.set_index("run")
     out = []
     for run, group in rounds.groupby("run", sort=False):
         medians = windowed_medians(group, window)
+        summary = summaries.loc[run]
         for level in sorted(levels):
             r = reaching_round(medians["test_accuracy"], level)
             there = medians.loc[r] if r is not None else pd.Series(np.nan, index=medians.columns)
-            row = {"run": run, "run_name": group["run_name"].iloc[0], "cell": cells[run],
-                   "seed": group["seed"].iloc[0] if "seed" in group else np.nan, "level": level,
+            row = {"run": run, "run_name": summary["run_name"], "cell": summary["cell"],
+                   "seed": summary.get("seed", np.nan), "level": level,
                    "round": r if r is not None else np.nan, "window_rounds": there["window_rounds"],
                    "test_accuracy": there["test_accuracy"], **{m: there[m] for m in RECOVERY_METRICS}}
             row["sigma2_over_mu2"] = row["sigma2_hat"] / row["mu2_hat"] if row["mu2_hat"] else np.nan
