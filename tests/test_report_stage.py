@@ -60,6 +60,32 @@ def test_levels_and_window_are_checked():
         report.at_accuracy(frame, frame, [0.4], window=0)
 
 
+def test_per_cell_medians_across_the_seeds_that_reach_a_level(tmp_path):
+    """Window 1. Cell "cnn": seeds 0, 1, 2 reach 0.4 at rounds 2, 3, 4 with 1/ΔS 6, 4, 2 (median
+    round 3, 1/ΔS 4, range 2-6); only seeds 0 and 1 reach 0.5, at rounds 3 and 4 with 1/ΔS 5 and 3
+    (median 4). Cell "resnet" (one seed) never reaches 0.5: its row there is NaN, n_reached 0."""
+    accuracy = {0: [.3, .4, .5, .5], 1: [.3, .3, .4, .5], 2: [.3, .3, .3, .4]}
+    recovery = {0: [8, 6, 5, 5], 1: [8, 8, 4, 3], 2: [8, 8, 8, 2]}
+    for seed in accuracy:
+        write_run(tmp_path, f"cnn_{seed}", {"model": "cnn-fedavg", "seed": seed, "num-rounds": 4},
+                  rows(recovery[seed], test_accuracy=accuracy[seed]))
+    write_run(tmp_path, "resnet", {"model": "resnet18-gn", "num-rounds": 4}, rows([3, 2, 2, 2],
+                                                                                  test_accuracy=[.3, .4, .4, .4]))
+    cells = report.cell_at_accuracy(_at_accuracy(tmp_path, [0.4, 0.5], window=1))
+    assert list(cells.columns) == list(report.CELL_AT_ACCURACY_COLUMNS)
+    cells = cells.assign(model=cells["cell"].str.extract(r"model=(\S+)")[0]).set_index(["model", "level"])
+    assert len(cells) == 4
+    cnn = cells.loc[("cnn-fedavg", 0.4)]
+    assert (cnn["n_runs"], cnn["n_reached"], cnn["round"], cnn["recovery"]) == (3, 3, 3, 4)
+    assert (cnn["recovery_min"], cnn["recovery_max"], cnn["test_accuracy"]) == (2, 6, pytest.approx(0.4))
+    assert cnn["sigma2_over_mu2"] == pytest.approx(2 / 3)
+    cnn = cells.loc[("cnn-fedavg", 0.5)]
+    assert (cnn["n_runs"], cnn["n_reached"], cnn["round"], cnn["recovery"]) == (3, 2, 3.5, 4)
+    resnet = cells.loc[("resnet18-gn", 0.5)]
+    assert resnet["n_reached"] == 0 and math.isnan(resnet["round"]) and math.isnan(resnet["recovery_max"])
+    assert cells.loc[("resnet18-gn", 0.4), "round"] == 2
+
+
 def test_report_cli_at_accuracy_table_and_figure(tmp_path, capsys):
     """Two models of 6 and 4 rounds, window 1: the CNN reaches 0.4 at round 3 (1/ΔS 4), ResNet at
     round 2 (1/ΔS 2); 0.55: ResNet at round 4, the CNN never."""
@@ -79,6 +105,9 @@ def test_report_cli_at_accuracy_table_and_figure(tmp_path, capsys):
     assert (table.loc[("resnet", 0.4), "round"], table.loc[("resnet", 0.4), "recovery"]) == (2, 2)
     assert math.isnan(table.loc[("cnn", 0.55), "round"]) and table.loc[("resnet", 0.55), "round"] == 4
     assert (out / "recovery_vs_accuracy.png").read_bytes()[:8] == PNG_MAGIC
+    cells = pd.read_csv(out / "at_accuracy_cells.csv")
+    assert list(cells.columns) == list(report.CELL_AT_ACCURACY_COLUMNS) and len(cells) == 4
+    assert "per cell, the median across the seeds" in printed
 
 
 def test_report_cli_refuses_a_percentage_before_writing_anything(tmp_path, capsys):

@@ -13,12 +13,14 @@ have them.
 
 Writes into --out: summary.csv (one row per cell) and fig1.png; curvature.png when any run has
 ρ_H values; comparison.csv and comparison.png when the runs differ in mask-mode, server-step or
-mask-granularity; at_accuracy.csv and recovery_vs_accuracy.png with --at-accuracy.
+mask-granularity; at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with
+--at-accuracy.
 
 --at-accuracy LEVEL...: each run read where it first reaches a test accuracy instead of at its last
 round, so runs at different stages of training (another model, optimizer, split) compare at equal
 accuracy: for each level, the first round r whose median test accuracy over rounds r - window + 1
-.. r reaches it, and the window medians of 1/ΔS, ‖μ̂‖², σ̂² over those rounds (full rounds only).
+.. r reaches it, and the window medians of 1/ΔS, ‖μ̂‖², σ̂² over those rounds (full rounds only);
+per cell and level, the median of those across the seeds that reach it, and their 1/ΔS range.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{', '.join(report.REPORTED)}: adds <metric>_ref and <metric>_ratio = ours / reference")
     parser.add_argument("--at-accuracy", type=float, nargs="+", default=[], metavar="LEVEL",
                         help="also read each run where its windowed test accuracy first reaches LEVEL "
-                             "(a fraction, e.g. 0.4 0.45): at_accuracy.csv, recovery_vs_accuracy.png")
+                             "(a fraction, e.g. 0.4 0.45): at_accuracy.csv, at_accuracy_cells.csv, "
+                             "recovery_vs_accuracy.png")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error(f"--window must be >= 1, got {args.window}")
@@ -123,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nat equal test accuracy (window medians over the {args.window} rounds ending where each run "
               "first reaches the level; NaN: never reached):")
         print(table.drop(columns=["run", "run_name"]).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
-        written += [out / "at_accuracy.csv", out / "recovery_vs_accuracy.png"]
-        table.drop(columns=["run"]).to_csv(written[-2], index=False)  # run: an absolute path
+        cells_there = report.cell_at_accuracy(table)
+        print("\nper cell, the median across the seeds that reach each level (n_reached of n_runs) and their "
+              "1/ΔS range:")
+        print(cells_there.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        written += [out / "at_accuracy.csv", out / "at_accuracy_cells.csv", out / "recovery_vs_accuracy.png"]
+        table.drop(columns=["run"]).to_csv(written[-3], index=False)  # run: an absolute path
+        cells_there.to_csv(written[-2], index=False)
         report.recovery_accuracy_figure(rounds, table, args.window, written[-1])
     print(f"\nwrote {', '.join(map(str, written))}")
     return 0

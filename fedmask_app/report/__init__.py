@@ -32,7 +32,9 @@ from fedmask_app.report.runs import (
 from fedmask_app.report.shards import SHARDS_COLUMNS, read_shards
 from fedmask_app.report.stage import (
     AT_ACCURACY_COLUMNS,
+    CELL_AT_ACCURACY_COLUMNS,
     at_accuracy,
+    cell_at_accuracy,
     check_levels,
     recovery_accuracy_figure,
     windowed_medians,
@@ -53,12 +55,13 @@ from fedmask_app.report.tables import (
 )
 
 __all__ = [
-    "AT_ACCURACY_COLUMNS", "CONFIG_DEFAULTS", "KEYS", "MEASURES", "METRICS", "NOT_CELL_KEYS", "PAPER_ROUNDS",
-    "PAPER_WINDOW", "RECOVERY_METRICS", "REPORTED", "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT",
-    "SPREAD_NOTE", "TRAINING_KEYS", "SummaryError", "at_accuracy", "cell_labels", "cell_rounds", "cell_summary",
-    "check_levels", "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_figure",
-    "decomposition_curve", "fig1", "find_run_dirs", "format_comparison", "format_table", "has_curvature",
-    "incomplete_runs", "join_reference", "load_runs", "local_steps", "measurement_columns", "protocol_deviations",
-    "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure", "run_summary", "table_columns",
-    "table_note", "unmatched_reference", "varying_keys", "windowed_medians",
+    "AT_ACCURACY_COLUMNS", "CELL_AT_ACCURACY_COLUMNS", "CONFIG_DEFAULTS", "KEYS", "MEASURES", "METRICS",
+    "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW", "RECOVERY_METRICS", "REPORTED", "ROUND_COLUMNS",
+    "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "SummaryError", "at_accuracy",
+    "cell_at_accuracy", "cell_labels", "cell_rounds", "cell_summary", "check_levels", "compares_training",
+    "comparison_figure", "comparison_table", "config_keys", "curvature_figure", "decomposition_curve", "fig1",
+    "find_run_dirs", "format_comparison", "format_table", "has_curvature", "incomplete_runs", "join_reference",
+    "load_runs", "local_steps", "measurement_columns", "protocol_deviations", "protocol_note", "read_reference",
+    "read_shards", "recovery_accuracy_figure", "run_summary", "table_columns", "table_note", "unmatched_reference",
+    "varying_keys", "windowed_medians",
 ]

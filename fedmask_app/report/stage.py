@@ -25,6 +25,8 @@ from fedmask_app.report.tables import RECOVERY_METRICS
 
 AT_ACCURACY_COLUMNS = ("run", "run_name", "cell", "seed", "level", "round", "window_rounds", "test_accuracy",
                        *RECOVERY_METRICS, "sigma2_over_mu2")
+_ACROSS_SEEDS = ("round", "test_accuracy", *RECOVERY_METRICS, "sigma2_over_mu2")
+CELL_AT_ACCURACY_COLUMNS = ("cell", "level", "n_runs", "n_reached", *_ACROSS_SEEDS, "recovery_min", "recovery_max")
 
 
 def windowed_medians(group: pd.DataFrame, window: int) -> pd.DataFrame:
@@ -80,6 +82,20 @@ def at_accuracy(rounds: pd.DataFrame, runs: pd.DataFrame, levels: Sequence[float
             row["sigma2_over_mu2"] = row["sigma2_hat"] / row["mu2_hat"] if row["mu2_hat"] else np.nan
             out.append(row)
     return pd.DataFrame(out, columns=list(AT_ACCURACY_COLUMNS))
+
+
+def cell_at_accuracy(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell and level (CELL_AT_ACCURACY_COLUMNS) from ``at_accuracy``'s rows: the median
+    across the cell's runs (seeds) that reach the level of the round, test accuracy and statistics
+    there, and the range of their 1/ΔS; n_reached of n_runs reached it (all NaN when none did).
+    Cells in order of first appearance, levels ascending."""
+    out = []
+    for (cell, level), group in table.groupby(["cell", "level"], sort=False):
+        reached = group[group["round"].notna()]
+        out.append({"cell": cell, "level": level, "n_runs": len(group), "n_reached": len(reached),
+                    **{c: reached[c].median() for c in _ACROSS_SEEDS},
+                    "recovery_min": reached["recovery"].min(), "recovery_max": reached["recovery"].max()})
+    return pd.DataFrame(out, columns=list(CELL_AT_ACCURACY_COLUMNS))
 
 
 def recovery_accuracy_figure(rounds: pd.DataFrame, table: pd.DataFrame, window: int,
