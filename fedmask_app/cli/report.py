@@ -33,6 +33,10 @@ from pathlib import Path
 from fedmask_app import report
 
 
+def _four_digits(x: float) -> str:
+    return f"{x:.4g}"
+
+
 def _warn(message: str) -> None:
     print(f"fedmask-report: warning: {message}", file=sys.stderr)
 
@@ -125,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         table = report.at_accuracy(rounds, runs, args.at_accuracy, args.window)
         print(f"\nat equal test accuracy (window medians over the {args.window} rounds ending where each run "
               "first reaches the level; NaN: never reached):")
-        print(table.drop(columns=["run", "run_name"]).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        print(table.drop(columns=["run", "run_name"]).to_string(index=False, float_format=_four_digits))
         cells_there = report.cell_at_accuracy(table)
         print("\nper cell, the median across the seeds that reach each level (n_reached of n_runs) and their "
               "1/ΔS range:")
-        print(cells_there.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+        print(cells_there.to_string(index=False, float_format=_four_digits))
         written += [out / "at_accuracy.csv", out / "at_accuracy_cells.csv", out / "recovery_vs_accuracy.png"]
         table.drop(columns=["run"]).to_csv(written[-3], index=False)  # run: an absolute path
         cells_there.to_csv(written[-2], index=False)
