@@ -55,6 +55,24 @@ def test_a_resume_compares_what_the_run_computes_not_where_its_files_are(tmp_pat
     assert results.config_path.read_text() == written
 
 
+def test_a_resume_may_extend_the_run_and_config_json_lists_its_earlier_lengths(tmp_path):
+    """More rounds continue the same run (nothing a round computes depends on how many follow);
+    fewer are refused; config.json keeps each length the run had before it was extended."""
+    results = _open(tmp_path, "num-rounds=2")
+    _open(tmp_path, "resume=true", "num-rounds=2")
+    assert "extended_from_rounds" not in json.loads(results.config_path.read_text())
+    _open(tmp_path, "resume=true", "num-rounds=5")
+    _open(tmp_path, "resume=true", "num-rounds=5")
+    _open(tmp_path, "resume=true", "num-rounds=9")
+    saved = json.loads(results.config_path.read_text())
+    assert saved["extended_from_rounds"] == [2, 5] and saved["run_config"]["num-rounds"] == 9
+    with pytest.raises(ResultsError, match=r"num-rounds: 9 -> 4"):
+        _open(tmp_path, "resume=true", "num-rounds=4")
+    with pytest.raises(ResultsError, match=r"lr: 0\.01 -> 0\.5"):  # growing does not hide another change
+        _open(tmp_path, "resume=true", "num-rounds=12", "lr=0.5")
+    assert json.loads(results.config_path.read_text()) == saved
+
+
 def test_config_differences_names_each_changed_key_and_ignores_transport_and_location():
     before = {**pyproject_defaults(), "lr": 0.01, "seed": 0, "output-dir": "results", "resume": False}
     assert config_differences(before, {**before, "output-dir": "/abs/results", "resume": True}) == []

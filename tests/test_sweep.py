@@ -93,6 +93,23 @@ def test_a_killed_sweep_resumes_where_it_stopped(tmp_path):
     pd.testing.assert_frame_equal(resumed.drop(columns="seconds"), uninterrupted.drop(columns="seconds"))
 
 
+def test_a_grid_given_more_rounds_extends_its_complete_runs(tmp_path, capsys):
+    """Run 2 rounds, then the same grid with num-rounds=4: the run goes on from its round-2
+    checkpoint and its rounds are those of a 4-round run from scratch."""
+    grid = write_grid(tmp_path / "grid.toml", 2, "seed = [5]\n")
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(out), data_dir()]) == 0
+    assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(out), data_dir(), "num-rounds=4"]) == 0
+    assert "1 runs, 0 complete, 1 to run" in capsys.readouterr().out
+    extended = pd.read_csv(out / "seed=5" / "rounds.csv")
+    assert extended["round"].tolist() == [1, 2, 3, 4]
+    assert json.loads((out / "seed=5" / "config.json").read_text())["extended_from_rounds"] == [2]
+
+    assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(reference), data_dir(), "num-rounds=4"]) == 0
+    from_scratch = pd.read_csv(reference / "seed=5" / "rounds.csv")
+    pd.testing.assert_frame_equal(extended.drop(columns="seconds"), from_scratch.drop(columns="seconds"))
+
+
 def test_flower_engine_runs_a_grid_through_flwr(tmp_path):
     """Each run starts a SuperLink of its own and stops it: the sweep leaves no processes behind."""
     grid = write_grid(tmp_path / "grid.toml", 2, "seed = [0]\n")

@@ -43,6 +43,10 @@ TRANSPORT_KEYS = {"resume", "fast-simulation"}  # not vectorize: it moves float3
 # run's own whatever the spelling of its path (fedmask-run writes absolute paths, fedmask-local
 # relative ones), and the data is compared by its content hash instead of its folder.
 LOCATION_KEYS = {"output-dir", "run-name", "data-dir"}
+# num-rounds may grow: no round's training, draws or schedule depend on how many rounds follow it,
+# so a longer run continues a shorter one (the old last round keeps what a last round adds to its
+# row: an evaluation and the measurements due at the end). config.json lists the earlier lengths.
+EXTENDED_FROM = "extended_from_rounds"
 
 
 def _defaults_or_empty() -> dict[str, Any]:
@@ -71,7 +75,14 @@ def config_differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]
     with a default that keeps what the earlier run did."""
     before = {**_defaults_or_empty(), **before}
     keys = (set(before) | set(now)) - TRANSPORT_KEYS - LOCATION_KEYS
+    if _extends(before, now):
+        keys.discard("num-rounds")
     return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(keys) if before.get(k) != now.get(k)]
+
+
+def _extends(before: dict[str, Any], now: dict[str, Any]) -> bool:
+    old, new = before.get("num-rounds"), now.get("num-rounds")
+    return isinstance(old, int) and isinstance(new, int) and new > old
 
 
 def stored_metadata(config_path: Path) -> dict[str, Any] | None:
@@ -118,6 +129,16 @@ def run_metadata(cfg: RunConfig, engine: str, data_sha256: str) -> dict[str, Any
     }
 
 
+def _with_extensions(meta: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
+    """``meta`` carrying the run's earlier num-rounds, this resume's included when it extends the run."""
+    if stored is None:
+        return meta
+    earlier = list(stored.get(EXTENDED_FROM, []))
+    if _extends(stored.get("run_config", {}), meta["run_config"]):
+        earlier.append(stored["run_config"]["num-rounds"])
+    return {**meta, EXTENDED_FROM: earlier} if earlier else meta
+
+
 class RunResults:
     """The folder ``<output-dir>/<run-name>/`` of one run."""
 
@@ -137,7 +158,8 @@ class RunResults:
         results.run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = None
         if cfg.resume:
-            results._check_same_run(meta)
+            stored = results._check_same_run(meta)
+            meta = _with_extensions(meta, stored)
             checkpoint = results.load_checkpoint()
             last = checkpoint.server_round if checkpoint else 0
             results._keep_rounds_up_to(last)
@@ -152,17 +174,19 @@ class RunResults:
         atomic_write_json(results.config_path, meta)
         return results, checkpoint
 
-    def _check_same_run(self, meta: dict[str, Any]) -> None:
-        """A resume must continue the run that the folder holds, not another configuration."""
+    def _check_same_run(self, meta: dict[str, Any]) -> dict[str, Any] | None:
+        """A resume must continue the run that the folder holds, not another configuration (or a
+        shorter one); returns the folder's config.json."""
         stored = stored_metadata(self.config_path)
         if stored is None:
-            return
+            return None
         changed = config_differences(stored.get("run_config", {}), meta["run_config"])
         if stored.get("data_sha256") and meta.get("data_sha256") and stored["data_sha256"] != meta["data_sha256"]:
             changed.append(f"data content sha256: {stored['data_sha256'][:12]}… -> {meta['data_sha256'][:12]}…")
         if changed:
             raise ResultsError(f"cannot resume {self.run_dir}: it holds a run with another configuration "
                                f"({', '.join(changed)})")
+        return stored
 
     def _keep_rounds_up_to(self, last_round: int) -> None:
         """Rewrite rounds.csv with the header and the rows of rounds <= last_round."""
