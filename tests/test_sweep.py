@@ -99,6 +99,10 @@ def test_a_grid_given_more_rounds_extends_its_complete_runs(tmp_path, capsys):
     grid = write_grid(tmp_path / "grid.toml", 2, "seed = [5]\n")
     out, reference = tmp_path / "out", tmp_path / "reference"
     assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(out), data_dir()]) == 0
+    capsys.readouterr()
+    assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(out), data_dir(), "num-rounds=4",
+                       "--dry-run"]) == 0
+    assert "seed=5: to run (2 of 4 rounds written)" in capsys.readouterr().out
     assert sweep.main([str(grid), "--engine", "local", "--output-dir", str(out), data_dir(), "num-rounds=4"]) == 0
     assert "1 runs, 0 complete, 1 to run" in capsys.readouterr().out
     extended = pd.read_csv(out / "seed=5" / "rounds.csv")

@@ -29,7 +29,7 @@ from fedmask_app.run.config import (
     run_config_from_values,
 )
 from fedmask_app.run.device import pick_device, refuse_graphs_without_cuda
-from fedmask_app.run.results import ResultsError, is_complete, stored_differences
+from fedmask_app.run.results import ResultsError, is_complete, rounds_written, stored_differences
 from fedmask_app.sweep.grid import GridRun, load_grid
 
 if TYPE_CHECKING:
@@ -176,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
               "time (README, Runs trained together)")
     if args.dry_run:
         group_of = {pending[i][0].name: number for number, group in enumerate(groups, 1) for i in group}
-        for run, _ in configs:
-            state = "complete" if complete[run.name] else "to run"
+        for run, cfg in configs:
+            written = rounds_written(cfg.run_dir)
+            state = ("complete" if complete[run.name] else
+                     f"to run ({written} of {cfg.num_rounds} rounds written)" if written else "to run")
             print(f"  {run.name}: {state}" + (f" (group {group_of[run.name]})" if run.name in group_of else ""))
         return 0
 
@@ -198,11 +200,13 @@ def _sweep_here(pending: list[tuple[GridRun, RunConfig]], groups: list[list[int]
     failed: list[str] = []
     batches = [[pending[i] for i in group] for group in groups] if groups else [[item] for item in pending]
 
-    # Progress in client-epochs (rounds x K_c x tau), so the ETA weighs a tau = 5 round as five tau = 1 rounds.
+    # Progress in client-epochs (rounds x K_c x tau), so the ETA weighs a tau = 5 round as five tau = 1 rounds;
+    # a run resumed or extended plans the rounds it has not written.
     def work(cfg: RunConfig, rounds: int) -> int:
         return rounds * cfg.clients_per_round * cfg.local_epochs
 
-    with tqdm(total=sum(work(cfg, cfg.num_rounds) for _, cfg in pending), unit="client-epoch",
+    to_write = {cfg.name: max(0, cfg.num_rounds - rounds_written(cfg.run_dir)) for _, cfg in pending}
+    with tqdm(total=sum(work(cfg, to_write[cfg.name]) for _, cfg in pending), unit="client-epoch",
               dynamic_ncols=True) as bar:
         for index, batch in enumerate(batches, 1):
             names = " + ".join(run.name for run, _ in batch)
@@ -230,7 +234,7 @@ def _sweep_here(pending: list[tuple[GridRun, RunConfig]], groups: list[list[int]
                 else:
                     failed.append(run.name)
                     tqdm.write(f"[sweep] {run.name} FAILED: rounds.csv is incomplete; see its output above")
-            planned = sum(work(cfg, cfg.num_rounds) for _, cfg in batch)
+            planned = sum(work(cfg, to_write[cfg.name]) for _, cfg in batch)
             bar.update(max(0, done_before + planned - bar.n))  # keep the ETA honest after a failure
     return failed
 

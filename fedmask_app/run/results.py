@@ -103,6 +103,11 @@ def stored_differences(run_dir: Path, run_config: dict[str, Any]) -> list[str]:
     return [] if stored is None else config_differences(stored.get("run_config", {}), run_config)
 
 
+def rounds_written(run_dir: Path) -> int:
+    """How many rounds the folder's rounds.csv holds (a resume redoes those after its checkpoint)."""
+    return len(read_rows(run_dir / ROUNDS_FILE))
+
+
 def is_complete(run_dir: Path, num_rounds: int) -> bool:
     """True when rounds.csv holds rounds 1..num_rounds."""
     rows = read_rows(run_dir / ROUNDS_FILE)
