@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from fedmask_app.run.config import load_run_config, pyproject_defaults
-from fedmask_app.run.results import COLUMNS, ResultsError, RunResults, config_differences, run_metadata
+from fedmask_app.run.results import (
+    COLUMNS,
+    EXTENDED_FROM,
+    ResultsError,
+    RunResults,
+    config_differences,
+    run_metadata,
+)
 
 
 def _open(tmp_path, *overrides: str) -> RunResults:
@@ -57,20 +65,28 @@ def test_a_resume_compares_what_the_run_computes_not_where_its_files_are(tmp_pat
 
 def test_a_resume_may_extend_the_run_and_config_json_lists_its_earlier_lengths(tmp_path):
     """More rounds continue the same run (nothing a round computes depends on how many follow);
-    fewer are refused; config.json keeps each length the run had before it was extended."""
+    fewer are refused; config.json keeps each earlier length whose last round the run still holds."""
+
+    def finish(results: RunResults, rounds: int) -> dict:
+        results.save_checkpoint(rounds, [np.zeros(1)])
+        return json.loads(results.config_path.read_text())
+
     results = _open(tmp_path, "num-rounds=2")
-    _open(tmp_path, "resume=true", "num-rounds=2")
-    assert "extended_from_rounds" not in json.loads(results.config_path.read_text())
-    _open(tmp_path, "resume=true", "num-rounds=5")
-    _open(tmp_path, "resume=true", "num-rounds=5")
-    _open(tmp_path, "resume=true", "num-rounds=9")
-    saved = json.loads(results.config_path.read_text())
-    assert saved["extended_from_rounds"] == [2, 5] and saved["run_config"]["num-rounds"] == 9
+    assert EXTENDED_FROM not in finish(_open(tmp_path, "resume=true", "num-rounds=2"), 2)
+    assert finish(_open(tmp_path, "resume=true", "num-rounds=5"), 5)[EXTENDED_FROM] == [2]
+    assert finish(_open(tmp_path, "resume=true", "num-rounds=5"), 5)[EXTENDED_FROM] == [2]
+    saved = finish(_open(tmp_path, "resume=true", "num-rounds=9"), 9)
+    assert saved[EXTENDED_FROM] == [2, 5] and saved["run_config"]["num-rounds"] == 9
     with pytest.raises(ResultsError, match=r"num-rounds: 9 -> 4"):
         _open(tmp_path, "resume=true", "num-rounds=4")
     with pytest.raises(ResultsError, match=r"lr: 0\.01 -> 0\.5"):  # growing does not hide another change
         _open(tmp_path, "resume=true", "num-rounds=12", "lr=0.5")
     assert json.loads(results.config_path.read_text()) == saved
+
+    results.save_checkpoint(3, [np.zeros(1)])  # rounds 4.. are redone: round 5 is no longer a last round
+    assert json.loads(_open(tmp_path, "resume=true", "num-rounds=12").config_path.read_text())[EXTENDED_FROM] == [2]
+    results.checkpoint_path.unlink()  # no checkpoint: the run starts again from round 1
+    assert EXTENDED_FROM not in json.loads(_open(tmp_path, "resume=true", "num-rounds=12").config_path.read_text())
 
 
 def test_config_differences_names_each_changed_key_and_ignores_transport_and_location():

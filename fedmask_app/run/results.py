@@ -134,14 +134,14 @@ def run_metadata(cfg: RunConfig, engine: str, data_sha256: str) -> dict[str, Any
     }
 
 
-def _with_extensions(meta: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
-    """``meta`` carrying the run's earlier num-rounds, this resume's included when it extends the run."""
+def _with_extensions(meta: dict[str, Any], stored: dict[str, Any] | None, resumed_after: int) -> dict[str, Any]:
+    """``meta`` listing the run's earlier num-rounds whose last round it keeps: those up to the
+    checkpoint it resumes after (a run redone from an earlier round has no such row any more)."""
     if stored is None:
         return meta
-    earlier = list(stored.get(EXTENDED_FROM, []))
-    if _extends(stored.get("run_config", {}), meta["run_config"]):
-        earlier.append(stored["run_config"]["num-rounds"])
-    return {**meta, EXTENDED_FROM: earlier} if earlier else meta
+    earlier = [*stored.get(EXTENDED_FROM, []), stored.get("run_config", {}).get("num-rounds")]
+    kept = [n for n in earlier if isinstance(n, int) and n <= resumed_after and n < meta["run_config"]["num-rounds"]]
+    return {**meta, EXTENDED_FROM: kept} if kept else meta
 
 
 class RunResults:
@@ -164,9 +164,9 @@ class RunResults:
         checkpoint = None
         if cfg.resume:
             stored = results._check_same_run(meta)
-            meta = _with_extensions(meta, stored)
             checkpoint = results.load_checkpoint()
             last = checkpoint.server_round if checkpoint else 0
+            meta = _with_extensions(meta, stored, last)
             results._keep_rounds_up_to(last)
         elif read_rows(results.rounds_path):
             raise ResultsError(
