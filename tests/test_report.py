@@ -202,6 +202,17 @@ def test_report_errors(tmp_path, runs_root, capsys):
         report_cli.main([str(runs_root), "--window", "0"])
 
 
+def test_the_table_prints_a_share_below_1_to_a_tenth_of_a_percent(tmp_path):
+    """One round of 8 below 1 is 12.5 % of the run, shown as such (not rounded to a whole 12): in a
+    200-round run one such round is 0.5 %, which a whole-percent format showed as 0."""
+    write_run(tmp_path, "one", {"num-rounds": 8}, rows([5, 5, 0.5, 5, 5, 5, 5, 5]))
+    cells = report.cell_summary(report.run_summary(report.load_runs([tmp_path]), window=4))
+    assert cells.loc[0, "pct_below_1_all"] == pytest.approx(12.5)
+    header, first = report.format_table(cells).splitlines()[:2]
+    values = dict(zip(header.split(), first.split()))
+    assert (values["pct_below_1"], values["pct_below_1_all"]) == ("0.0", "12.5")
+
+
 def test_short_rounds_are_left_out_of_the_recovery_statistics_and_counted(tmp_path, capsys):
     """Window rounds 3-6; rounds 4 and 6 have 8 and 9 of K_c = 10 good replies.
 

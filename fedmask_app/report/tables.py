@@ -209,7 +209,7 @@ def cell_rounds(rounds: pd.DataFrame, runs: pd.DataFrame, columns: Sequence[str]
 
 _FORMATS = {
     "recovery": "{:.3f}", "recovery_weighted": "{:.3f}", "mu2_hat": "{:.3g}", "sigma2_hat": "{:.3g}",
-    "test_accuracy": "{:.3f}", "pct_below_1": "{:.0f}", "pct_below_1_all": "{:.0f}", "T": "{:.0f}",
+    "test_accuracy": "{:.3f}", "pct_below_1": "{:.1f}", "pct_below_1_all": "{:.1f}", "T": "{:.0f}",
     "T_min": "{:.0f}", "T_max": "{:.0f}", "alpha": "{:g}", "n_k": "{:.0f}",
 }
 
