@@ -105,11 +105,12 @@ class CudaGraphCohortStep(CohortStep):
         num_clients = sum(counts)
         if self._stacked is None or next(iter(self._stacked.values())).shape[0] != num_clients:
             self._stacked, self._graph, self._inputs = stack_copies(self.model, thetas, counts), None, None
-            return self._stacked
-        with torch.no_grad():  # each group's θ into its clients' slices, in place
-            for i, p in enumerate(self._stacked.values()):
-                for slice_, theta in zip(p.split(list(counts)), thetas, strict=True):
-                    slice_.copy_(theta[i].unsqueeze(0).expand_as(slice_))
+        else:
+            with torch.no_grad():  # each group's θ into its clients' slices, in place
+                for i, p in enumerate(self._stacked.values()):
+                    for slice_, theta in zip(p.split(list(counts)), thetas, strict=True):
+                        slice_.copy_(theta[i].unsqueeze(0).expand_as(slice_))
+        self.reset_momentum(self._stacked)
         return self._stacked
 
     def __call__(self, stacked: Params, clients: torch.Tensor | None, images: torch.Tensor, labels: torch.Tensor,
@@ -129,7 +130,8 @@ class CudaGraphCohortStep(CohortStep):
         return self._losses.clone()
 
     def _capture(self) -> None:
-        saved = [p.clone() for p in self._stacked.values()]
+        state = list(self._stacked.values()) + list((self.momentum_buffers or {}).values())
+        saved = [t.clone() for t in state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -139,7 +141,7 @@ class CudaGraphCohortStep(CohortStep):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._losses = super().__call__(self._stacked, None, *self._inputs)
-        with torch.no_grad():  # undo the warm-up steps: this round's θ is in place again
-            for p, value in zip(self._stacked.values(), saved, strict=True):
-                p.copy_(value)
+        with torch.no_grad():  # undo the warm-up steps: the parameters and momentum are this step's again
+            for t, value in zip(state, saved, strict=True):
+                t.copy_(value)
         self._graph = graph

@@ -1,4 +1,4 @@
-"""Local training of one client: τ epochs of plain SGD, then Δ_k = θ − θ_k."""
+"""Local training of one client: τ epochs of SGD (plain by default), then Δ_k = θ − θ_k."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ from torch import nn
 
 @dataclass(frozen=True)
 class LocalTraining:
-    """How a client trains: τ epochs, batch size (None = full shard), learning rate."""
+    """How a client trains: τ epochs, batch size (None = full shard), learning rate, and
+    ``torch.optim.SGD``'s heavy-ball momentum and weight decay (0: plain SGD). Momentum buffers
+    start at zero for every client in every round: nothing of a client's optimizer crosses rounds."""
 
     epochs: int
     batch_size: int | None
     lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
     bf16: bool = False
 
     def num_steps(self, num_examples: int) -> int:
@@ -62,14 +66,16 @@ def load_parameters(model: nn.Module, params: Sequence) -> None:
 
 
 class SGDStep:
-    """One plain-SGD step of ``model`` on a batch: mean cross-entropy, backward, p ← p − lr · g
-    (bf16: the forward under bfloat16 autocast). ``autocast_cache=False`` for CUDA-graph capture."""
+    """One SGD step of ``model`` on a batch: mean cross-entropy, backward, ``torch.optim.SGD``'s
+    update (plain: p ← p − lr · g; bf16: the forward under bfloat16 autocast). One ``SGDStep`` per
+    client: its optimizer holds that client's momentum. ``autocast_cache=False`` for CUDA-graph capture."""
 
     def __init__(self, model: nn.Module, training: LocalTraining, autocast_cache: bool = True):
         self.model = model
         self.bf16 = training.bf16
         self.autocast_cache = autocast_cache
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=training.lr, momentum=0.0, weight_decay=0.0)
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=training.lr, momentum=training.momentum,
+                                         weight_decay=training.weight_decay)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Take the step; returns the batch's mean loss (detached)."""

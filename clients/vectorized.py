@@ -2,8 +2,9 @@
 
 ``vectorized_local_updates`` gives each client the result ``clients.training.local_update`` gives
 it with the same generator: the same batch order (one ``torch.randperm(n_k, generator=gen)`` per
-epoch, batches ``order[start:start + bs]``), plain SGD, loss = mean cross-entropy of the batch,
-train_loss = mean loss over the examples seen. The parameters of the K_c clients are stacked
+epoch, batches ``order[start:start + bs]``), ``torch.optim.SGD``'s update (plain, or with weight
+decay and momentum buffers that start at zero for every client), loss = mean cross-entropy of the
+batch, train_loss = mean loss over the examples seen. The parameters of the K_c clients are stacked
 along a leading dimension, ``torch.func.vmap`` runs ``functional_call(model, ...)`` over them
 (convolutions become grouped convolutions, linear layers batched matmuls), and one autograd
 backward of Σ_k loss_k gives every client its own gradient (client k's loss depends on its own
@@ -119,10 +120,28 @@ class CohortStep:
         self.training = training
         self.losses = vmap(lambda *a: _client_step_loss(model, *a), chunk_size=chunk_size)
         self.autocast_cache = autocast_cache
+        self.momentum_buffers: Params | None = None  # one per stacked parameter, with momentum > 0
 
     def stacked_params(self, thetas: Sequence[list[torch.Tensor]], counts: Sequence[int]) -> Params:
-        """``counts[g]`` copies of ``thetas[g]`` per group g, stacked (``stack_copies``)."""
-        return stack_copies(self.model, thetas, counts)
+        """``counts[g]`` copies of ``thetas[g]`` per group g, stacked (``stack_copies``); the
+        momentum buffers start again at zero."""
+        stacked = stack_copies(self.model, thetas, counts)
+        self.reset_momentum(stacked)
+        return stacked
+
+    @torch.no_grad()
+    def reset_momentum(self, stacked: Params) -> None:
+        """Momentum buffers shaped like ``stacked``, all zero (in place where the shapes allow, so that
+        a captured graph keeps its tensors). A zero buffer makes the first step's buffer the
+        gradient, as ``torch.optim.SGD`` starts it."""
+        if self.training.momentum == 0:
+            return
+        buffers = self.momentum_buffers
+        if buffers is None or any(buffers[n].shape != p.shape for n, p in stacked.items()):
+            self.momentum_buffers = {n: torch.zeros_like(p) for n, p in stacked.items()}
+            return
+        for b in buffers.values():
+            b.zero_()
 
     def __call__(self, stacked: Params, clients: torch.Tensor | None, images: torch.Tensor, labels: torch.Tensor,
                  weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -139,7 +158,7 @@ class CohortStep:
         # Σ_k loss_k: client k's loss depends on its own parameters only, so this is every
         # client's own gradient (the backward of the batched forward: grouped convolutions).
         grads = dict(zip(params, torch.autograd.grad(losses.sum(), list(params.values())), strict=True))
-        _sgd(stacked, grads, clients, self.training.lr)
+        _sgd(stacked, grads, clients, self.training, self.momentum_buffers)
         return losses.detach()
 
 
@@ -221,13 +240,29 @@ def _train(model: nn.Module, step: CohortStep, stacked: Params, images: torch.Te
 
 
 @torch.no_grad()
-def _sgd(stacked: Params, grads: Params, clients: torch.Tensor | None, lr: float) -> None:
-    """p ← p − lr · g for the clients taking part (None: all of them, in place, one foreach call)."""
-    if clients is None:
+def _sgd(stacked: Params, grads: Params, clients: torch.Tensor | None, training: LocalTraining,
+         momentum_buffers: Params | None) -> None:
+    """``torch.optim.SGD``'s step for the clients taking part (None: all of them), in place:
+    g ← g + wd · p; b ← m · b + g; p ← p − lr · b (plain SGD: p ← p − lr · g, one foreach call)."""
+    lr, momentum, weight_decay = training.lr, training.momentum, training.weight_decay
+    if momentum == 0 and weight_decay == 0 and clients is None:
         torch._foreach_add_(list(stacked.values()), [grads[n] for n in stacked], alpha=-lr)
         return
     for name, p in stacked.items():
-        p.index_add_(0, clients, grads[name], alpha=-lr)
+        g = grads[name]
+        if weight_decay:
+            g = g.add(p if clients is None else p.index_select(0, clients), alpha=weight_decay)
+        if momentum:
+            buffer = momentum_buffers[name]
+            if clients is None:
+                g = buffer.mul_(momentum).add_(g)
+            else:
+                g = buffer.index_select(0, clients).mul_(momentum).add_(g)
+                buffer.index_copy_(0, clients, g)
+        if clients is None:
+            p.add_(g, alpha=-lr)
+        else:
+            p.index_add_(0, clients, g, alpha=-lr)
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ def test_defaults_are_the_paper_protocol():
     assert cfg.clients_per_round == 10
     assert cfg.num_rounds == 200
     assert cfg.lr == 0.01
+    assert cfg.momentum == 0.0 and cfg.weight_decay == 0.0  # plain SGD (PAPER.md's project choice)
     assert cfg.batch_size == 32
     assert cfg.local_epochs == 2
     assert cfg.alpha == 100.0
@@ -132,6 +133,12 @@ BAD = [
     ("client-processes=-1", "client-processes", "-1"),
     ("client-processes=2 vectorize=true", "client-processes", "2"),
     ("client-processes=0 device='cuda'", "client-processes", "0"),
+    ("momentum=1", "momentum", "1.0"),
+    ("momentum=-0.1", "momentum", "-0.1"),
+    ("weight-decay=-1", "weight-decay", "-1.0"),
+    ("weight-decay=inf", "weight-decay", "inf"),
+    ("momentum=0.9 cuda-graphs=true device='cuda'", "momentum", "0.9"),
+    ("momentum=0.9 client-streams=2 device='cuda'", "momentum", "0.9"),
 ]
 
 

@@ -306,6 +306,12 @@ def test_protocol_note_names_every_deviation(tmp_path):
         "stated)",
         "engine flower", report.protocol.LOCAL_TRAINING]
     assert report.protocol_note(paper).startswith("paper protocol: 200 rounds, window 50. Differs from the paper")
+    with_momentum = paper.assign(momentum=[0.9])
+    assert report.protocol_deviations(with_momentum)[-1] == (
+        "local training is SGD with momentum 0.9 (project default: plain SGD; the paper states lr only)")
+    both = pd.concat([paper.assign(momentum=0.0), paper.assign(momentum=0.5, **{"weight-decay": 5e-4})])
+    assert report.protocol_deviations(both)[-1].startswith("local training is SGD with momentum 0.5 and weight "
+                                                           "decay 0.0005")
 
 
 def test_older_runs_share_a_cell_with_runs_that_spell_out_the_new_keys(tmp_path):

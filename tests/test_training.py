@@ -58,3 +58,50 @@ def test_cuda_graph_step_refuses_a_model_off_the_gpu():
     model, _, _, _ = _setup()
     with pytest.raises(ValueError, match="cuda-graphs = true needs the model on a CUDA device"):
         CudaGraphStep(model, LocalTraining(epochs=1, batch_size=4, lr=0.1))
+
+
+def _heavy_ball(model, theta, images, labels, training: LocalTraining, generator) -> list[torch.Tensor]:
+    """Δ_k by the equations, in float64: g ← ∇L(p) + wd · p; b ← m · b + g (b = 0 at the start);
+    p ← p − lr · b, over the batches in local_update's order."""
+    params = [torch.tensor(t, dtype=torch.float64, requires_grad=True) for t in theta]
+    buffers = [torch.zeros_like(p) for p in params]
+    n = len(labels)
+    for _ in range(training.epochs):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, training.batch_size):
+            idx = order[start : start + training.batch_size]
+            x = images[idx]
+            for i, p in enumerate(params):  # the Sequential's layers: Linear, ReLU, Linear
+                if i % 2 == 0:
+                    x = x @ p.T
+                else:
+                    x = x + p
+                    if i == 1:
+                        x = torch.relu(x)
+            loss = nn.functional.cross_entropy(x, labels[idx])
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for p, b, g in zip(params, buffers, grads, strict=True):
+                    b.mul_(training.momentum).add_(g + training.weight_decay * p)
+                    p.sub_(training.lr * b)
+    return [torch.tensor(t, dtype=torch.float64) - p.detach() for t, p in zip(theta, params, strict=True)]
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.9, 0.0), (0.0, 0.01), (0.5, 0.05)])
+def test_momentum_and_weight_decay_follow_the_equations(momentum, weight_decay):
+    """local_update with momentum / weight decay equals the heavy-ball recursion written out, and a
+    second client (or round) starts from a zero buffer: the same call twice gives the same Δ_k."""
+    model, theta, images, labels = _setup()
+    model = model.double()
+    theta = [t.astype(np.float64) for t in theta]
+    images = images.double()
+    training = LocalTraining(epochs=2, batch_size=5, lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    first = local_update(model, theta, images, labels, training, torch.Generator().manual_seed(3))
+    again = local_update(model, theta, images, labels, training, torch.Generator().manual_seed(3))
+    expected = _heavy_ball(model, theta, images, labels, training, torch.Generator().manual_seed(3))
+    for a, b, e in zip(first.update, again.update, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-14)
+        assert torch.equal(a, b)
+    plain = local_update(model, theta, images, labels, LocalTraining(epochs=2, batch_size=5, lr=0.1),
+                         torch.Generator().manual_seed(3))
+    assert not torch.allclose(first.update[0], plain.update[0])  # the optimizer changed the update

@@ -239,3 +239,25 @@ def test_the_identical_shards_control_passes_through_the_vectorised_engine(tmp_p
     run_local(cfg, echo=lambda _: None)
     rows = pd.read_csv(tmp_path / "control" / "rounds.csv")
     np.testing.assert_allclose(rows[["recovery", "recovery_weighted"]], 4.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.9, 0.0), (0.5, 0.01)])
+@pytest.mark.parametrize("batch_size", [4, None])
+def test_float64_momentum_and_weight_decay_match_sequential(batch_size, momentum, weight_decay):
+    """Unequal shards (clients that stop early keep their buffers untouched), then a second round
+    through the same persistent step: its momentum buffers start again at zero, as each
+    sequential client's optimizer does."""
+    model = _small_model().double()
+    training = LocalTraining(epochs=2, batch_size=batch_size, lr=0.05, momentum=momentum, weight_decay=weight_decay)
+    shards = _shards(SIZES, torch.float64)
+    step = CudaGraphCohortStep(model, training, capture=False)
+    for round_seed in (0, 1):
+        torch.manual_seed(round_seed)
+        theta = [p.detach() + 0.01 * torch.randn_like(p) for p in model.parameters()]
+        seq = _sequential(model, theta, shards, training)
+        _assert_equal_results(vectorized_local_updates(model, theta, shards, training, _generators(len(shards))),
+                              seq, 1e-10)
+        _assert_equal_results(vectorized_local_updates(model, theta, shards, training, _generators(len(shards)),
+                                                       step=step), seq, 1e-10)
+    plain = _sequential(model, theta, shards, LocalTraining(epochs=2, batch_size=batch_size, lr=0.05))
+    assert _relative(seq[0].update, plain[0].update) > 1e-3  # the optimizer changed the update

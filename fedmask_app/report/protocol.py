@@ -75,8 +75,17 @@ def protocol_deviations(cells: pd.DataFrame) -> list[str]:
     steps = [s for s in _values(cells, "server-step") if str(s) != "fedavg"]
     if steps:
         out.append(f"server step {_join(steps)} (paper: FedAvg)")
-    out.append(LOCAL_TRAINING)
+    out.append(local_training_note(cells))
     return out
+
+
+def local_training_note(cells: pd.DataFrame) -> str:
+    """LOCAL_TRAINING for plain SGD, else the momentum and weight decay the runs used."""
+    parts = [f"{name} {_join(values)}" for key, name in (("momentum", "momentum"), ("weight-decay", "weight decay"))
+             if (values := [v for v in _values(cells, key) if _number(v) != 0])]
+    if not parts:
+        return LOCAL_TRAINING
+    return f"local training is SGD with {' and '.join(parts)} (project default: plain SGD; the paper states lr only)"
 
 
 def protocol_note(cells: pd.DataFrame) -> str:

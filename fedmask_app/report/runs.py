@@ -47,7 +47,7 @@ CONFIG_DEFAULTS = {
     "mask-mode": "none", "keep-prob": 0.5, "server-step": "fedavg", "keep-prob-schedule": "fixed",
     "fedexp-epsilon": 0.001, "penalty-target": 0.0, "keep-prob-min": 0.1, "probe-size": 128, "probe-file": "",
     "curvature-probes": 8, "penalty-draws": 16, "mask-granularity": "tensor", "flatness-probes": 8,
-    "lanczos-tol": 0.001, "lanczos-max-iter": 20, "eval-from": 1,
+    "lanczos-tol": 0.001, "lanczos-max-iter": 20, "eval-from": 1, "momentum": 0.0, "weight-decay": 0.0,
 }
 PAPER_ROUNDS, PAPER_WINDOW = 200, 50
 # Single-word columns run_summary and cell_summary compute or show apart. Run-config keys are

@@ -39,7 +39,8 @@ def client_shards(cfg: RunConfig, labels: np.ndarray) -> list[np.ndarray]:
 
 
 def local_training(cfg: RunConfig) -> LocalTraining:
-    return LocalTraining(epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, bf16=cfg.precision == "bf16")
+    return LocalTraining(epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay, bf16=cfg.precision == "bf16")
 
 
 def client_mask(cfg: RunConfig, server_round: int, partition_id: int, sync_seed: int | None, num_blocks: int,

@@ -58,6 +58,8 @@ class RunConfig:
     local_epochs: int
     batch_size: int | None  # None: one full-batch step per epoch
     lr: float
+    momentum: float
+    weight_decay: float
     mask_mode: str
     keep_prob: float
     aggregation: str
@@ -130,6 +132,7 @@ class RunConfig:
         _require(self.model in MODELS, "model", self.model, f"one of {', '.join(MODELS)}")
         _require(self.local_epochs >= 1, "local-epochs", self.local_epochs, "an integer tau >= 1")
         _require(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a learning rate > 0")
+        self._validate_optimizer()
         _require(self.mask_mode in MASK_MODES, "mask-mode", self.mask_mode, f"one of {', '.join(MASK_MODES)}")
         _require(self.aggregation in AGGREGATIONS, "aggregation", self.aggregation, f"one of {', '.join(AGGREGATIONS)}")
         _require(self.eval_every >= 0, "eval-every", self.eval_every, "an integer >= 0 (0: never)")
@@ -178,6 +181,18 @@ class RunConfig:
         )
         self.fault_injections()  # parses or raises
         self._validate_data_dir()
+
+    def _validate_optimizer(self) -> None:
+        _require(0 <= self.momentum < 1, "momentum", self.momentum,
+                 "a number in [0, 1) (heavy-ball momentum of local SGD; 0: plain SGD, the paper's protocol here)")
+        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight-decay", self.weight_decay,
+                 "a number >= 0 (L2 coefficient of local SGD; 0: none)")
+        # Momentum buffers start at zero for every client and round; these steps outlive a client.
+        _require(self.momentum == 0 or not (self.cuda_graphs and not self.vectorize), "momentum", self.momentum,
+                 "0 with cuda-graphs = true and vectorize = false (the captured per-client step keeps its "
+                 "optimizer across clients; use vectorize = true or cuda-graphs = false)")
+        _require(self.momentum == 0 or self.client_streams == 1, "momentum", self.momentum,
+                 "0 with client-streams > 1 (a stream's step keeps its optimizer across clients)")
 
     def _validate_server_step(self) -> None:
         _require(self.server_step in SERVER_STEPS, "server-step", self.server_step, f"one of {', '.join(SERVER_STEPS)}")
