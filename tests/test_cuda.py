@@ -85,12 +85,15 @@ def test_identical_shards_control_gives_the_ceiling_on_cuda(tmp_path: Path) -> N
 
 
 def test_cuda_graphs_replay_the_eager_step(tmp_path: Path) -> None:
-    """cuda-graphs = true replays the eager path's kernels, sequential or vectorised: the same rows
-    and θ. Prints how far they lie apart (0 when bitwise equal); asserts round 1 within 1e-5 relative."""
-    for path, vectorize in (("sequential", False), ("vectorised", True)):
-        for precision in ("float32", "bf16"):
+    """cuda-graphs = true replays the eager path's kernels, sequential or vectorised (with momentum
+    too: its buffers live in the graph and start at zero each round): the same rows and θ. Prints
+    how far they lie apart (0 when bitwise equal); asserts round 1 within 1e-5 relative."""
+    for path, vectorize, precisions, momentum in (("sequential", False, ("float32", "bf16"), 0.0),
+                                                  ("vectorised", True, ("float32", "bf16"), 0.0),
+                                                  ("vectorised-momentum", True, ("float32",), 0.9)):
+        for precision in precisions:
             common = {"num-rounds": 3, "precision": precision, "max-shard-size": 80,  # 2 full batches + 16
-                      "vectorize": vectorize}
+                      "vectorize": vectorize, "momentum": momentum}
             (eager, theta_e), (graphed, theta_g) = (
                 run(tmp_path, f"graphs{int(g)}-{path}-{precision}", **common, **{"cuda-graphs": g})
                 for g in (False, True)
