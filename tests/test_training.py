@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from clients.cuda_graphs import CudaGraphStep
 from clients.training import LocalTraining, SGDStep, local_update
@@ -63,6 +64,7 @@ def test_cuda_graph_step_refuses_a_model_off_the_gpu():
 def _heavy_ball(model, theta, images, labels, training: LocalTraining, generator) -> list[torch.Tensor]:
     """Δ_k by the equations, in float64: g ← ∇L(p) + wd · p; b ← m · b + g (b = 0 at the start);
     p ← p − lr · b, over the batches in local_update's order."""
+    names = [name for name, _ in model.named_parameters()]
     params = [torch.tensor(t, dtype=torch.float64, requires_grad=True) for t in theta]
     buffers = [torch.zeros_like(p) for p in params]
     n = len(labels)
@@ -70,16 +72,8 @@ def _heavy_ball(model, theta, images, labels, training: LocalTraining, generator
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, training.batch_size):
             idx = order[start : start + training.batch_size]
-            x = images[idx]
-            for i, p in enumerate(params):  # the Sequential's layers: Linear, ReLU, Linear
-                if i % 2 == 0:
-                    x = x @ p.T
-                else:
-                    x = x + p
-                    if i == 1:
-                        x = torch.relu(x)
-            loss = nn.functional.cross_entropy(x, labels[idx])
-            grads = torch.autograd.grad(loss, params)
+            logits = functional_call(model, dict(zip(names, params, strict=True)), (images[idx],))
+            grads = torch.autograd.grad(nn.functional.cross_entropy(logits, labels[idx]), params)
             with torch.no_grad():
                 for p, b, g in zip(params, buffers, grads, strict=True):
                     b.mul_(training.momentum).add_(g + training.weight_decay * p)

@@ -81,8 +81,11 @@ def protocol_deviations(cells: pd.DataFrame) -> list[str]:
 
 def local_training_note(cells: pd.DataFrame) -> str:
     """LOCAL_TRAINING for plain SGD, else the momentum and weight decay the runs used."""
-    parts = [f"{name} {_join(values)}" for key, name in (("momentum", "momentum"), ("weight-decay", "weight decay"))
-             if (values := [v for v in _values(cells, key) if _number(v) != 0])]
+    parts = []
+    for key in ("momentum", "weight-decay"):
+        used = [v for v in _values(cells, key) if _number(v) != 0]
+        if used:
+            parts.append(f"{key.replace('-', ' ')} {_join(used)}")
     if not parts:
         return LOCAL_TRAINING
     return f"local training is SGD with {' and '.join(parts)} (project default: plain SGD; the paper states lr only)"
