@@ -48,8 +48,11 @@ def _assert_same(torch_result, numpy_result, dtype):
         return
     for got, want in zip(t_params, n_params, strict=True):  # θ − step stays on the updates' device
         assert isinstance(got, torch.Tensor) and got.numpy().dtype == want.dtype and tuple(got.shape) == want.shape
-        # float64 sums in another order, then one rounding to θ's dtype: at most one ulp apart
-        np.testing.assert_allclose(got.numpy(), want, rtol=2.0 * np.finfo(dtype).eps, atol=0)
+        if dtype == np.float32:  # float64 sums in another order, then one rounding to float32: one ulp apart
+            np.testing.assert_allclose(got.numpy(), want, rtol=2.0 * np.finfo(dtype).eps, atol=0)
+        else:  # no wider type to round from: another summation order moves the result by a few ulps of the
+            # largest value summed (seen: 4 ulps of a 0.24 entry, 1.1e-16, on a CPU whose SIMD sums differ)
+            np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=8.0 * np.finfo(dtype).eps * np.abs(want).max())
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -194,4 +197,5 @@ def test_a_resident_local_run_writes_the_host_runs_rows(tmp_path, monkeypatch, v
     text = [c for c in host.columns if c not in numeric and not c.endswith("seconds")]
     pd.testing.assert_frame_equal(host[text], resident[text])
     for a, b in zip(theta_host, theta_resident, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-300)
+        # relative to each tensor's scale: an entry near 0 left by cancelling terms keeps only their rounding
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12 * np.abs(a).max())
