@@ -15,7 +15,10 @@ SHARED_BATCH_ORDER = 5  # the identical-shards control: one order for every clie
 PROBE = 6  # the probe batch of the server's curvature and flatness measurements (once per run)
 MEASUREMENT = 7  # the measurements' Rademacher signs and mask draws, per round
 INIT = 8  # θ_0 (it was 0 until 2026-11-30, which shared the partition's stream)
-PURPOSES = (COHORT, BATCH_ORDER, MASK, SYNC_MASK, SHARED_BATCH_ORDER, PROBE, MEASUREMENT, INIT)
+AUGMENT = 9  # a client's crops and flips (augment = "crop-flip")
+SHARED_AUGMENT = 10  # the identical-shards control: one draw of crops and flips for every client
+PURPOSES = (COHORT, BATCH_ORDER, MASK, SYNC_MASK, SHARED_BATCH_ORDER, PROBE, MEASUREMENT, INIT, AUGMENT,
+            SHARED_AUGMENT)
 
 
 def derive_seed(*key: int) -> int:
@@ -35,6 +38,14 @@ def batch_order_seed(run_seed: int, server_round: int, partition_id: int | None)
     if partition_id is None:
         return derive_seed(run_seed, SHARED_BATCH_ORDER, server_round)
     return derive_seed(run_seed, BATCH_ORDER, server_round, partition_id)
+
+
+def augment_seed(run_seed: int, server_round: int, partition_id: int | None) -> int:
+    """Crops and flips of one client's shard (its own stream, so augmenting leaves its batch order
+    as it is); ``partition_id=None`` is the identical-shards control."""
+    if partition_id is None:
+        return derive_seed(run_seed, SHARED_AUGMENT, server_round)
+    return derive_seed(run_seed, AUGMENT, server_round, partition_id)
 
 
 def independent_mask_seed(run_seed: int, server_round: int, partition_id: int) -> int:

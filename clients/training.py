@@ -100,17 +100,19 @@ def epoch_orders(num_examples: int, epochs: int, generator: torch.Generator) -> 
 def train_steps(
     images: torch.Tensor, labels: torch.Tensor, orders: torch.Tensor, batch_size: int | None,
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Every SGD step of local training: per epoch (a row of ``orders``), batches
-    ``order[start:start + bs]``. Returns Σ loss × batch size over the steps, a tensor on the
-    device: nothing here waits for the GPU."""
+    ``order[start:start + bs]`` of the shard, or of ``augment(shard)``, drawn anew each epoch.
+    Returns Σ loss × batch size over the steps, a tensor on the device: nothing here waits for the GPU."""
     n = len(labels)
     batch = n if batch_size is None else batch_size
     loss_sum = torch.zeros((), device=images.device)
     for order in orders:
+        epoch_images = images if augment is None else augment(images)
         for start in range(0, n, batch):
             idx = order[start : start + batch]
-            loss = step(images[idx], labels[idx])
+            loss = step(epoch_images[idx], labels[idx])
             loss_sum += loss.float() * len(idx)
     return loss_sum
 
@@ -124,6 +126,7 @@ def local_update(
     generator: torch.Generator,
     out: Sequence[np.ndarray] | None = None,
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LocalResult:
     """Train ``model`` from θ = ``global_params`` on the shard (``images``, ``labels``) and return Δ_k.
 
@@ -132,13 +135,14 @@ def local_update(
     the parameters), Δ_k is written into them and the returned tensors share their memory.
     ``step`` takes one SGD step of ``model`` on a batch and returns its loss: by default an
     ``SGDStep``; ``clients.cuda_graphs.CudaGraphStep`` replays the same step from a CUDA graph.
+    ``augment`` maps the shard's images to augmented ones (``clients.augment``), once an epoch.
     """
     load_parameters(model, global_params)
     theta = [p.detach().clone() for p in model.parameters()]
     n = len(labels)
     orders = epoch_orders(n, training.epochs, generator).to(images.device)
     model.train()
-    loss_sum = train_steps(images, labels, orders, training.batch_size, step or SGDStep(model, training))
+    loss_sum = train_steps(images, labels, orders, training.batch_size, step or SGDStep(model, training), augment)
     with torch.no_grad():
         if out is None:
             update = [t0 - p for t0, p in zip(theta, model.parameters(), strict=True)]

@@ -13,8 +13,9 @@ MODEL_NOTES = {
     "resnet18-gn-cifar": "ResNet-18/GN with a 3×3/1 CIFAR stem, no max-pool",
     "cnn-fedavg": "the FedAvg paper's 2-conv CNN, not ResNet-18",
 }
-LOCAL_TRAINING = ("local training is plain SGD without momentum or weight decay (a project choice, "
-                  "not matched to the paper's)")
+LOCAL_TRAINING = ("local training is plain SGD without momentum, weight decay or data augmentation (a project "
+                  "choice, not matched to the paper's)")
+AUGMENT_NOTES = {"crop-flip": "random 4-pixel-padded crops and horizontal flips"}
 
 
 def _values(cells: pd.DataFrame, key: str) -> list:
@@ -80,12 +81,16 @@ def protocol_deviations(cells: pd.DataFrame) -> list[str]:
 
 
 def local_training_note(cells: pd.DataFrame) -> str:
-    """LOCAL_TRAINING for plain SGD, else the momentum and weight decay the runs used."""
+    """LOCAL_TRAINING for plain SGD on the shards as stored, else the momentum, weight decay and data
+    augmentation the runs used."""
     parts = []
     for key in ("momentum", "weight-decay"):
         used = [v for v in _values(cells, key) if _number(v) != 0]
         if used:
             parts.append(f"{key.replace('-', ' ')} {_join(used)}")
+    augments = [str(a) for a in _values(cells, "augment") if str(a) != "none"]
+    if augments:
+        parts.append("augmentation " + "/".join(f"{a} ({AUGMENT_NOTES.get(a, a)})" for a in augments))
     if not parts:
         return LOCAL_TRAINING
     return f"local training is SGD with {' and '.join(parts)} (project default: plain SGD; the paper states lr only)"

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from clients.augment import crop_flip
 from clients.cuda_graphs import CudaGraphCohortStep, CudaGraphStep
 from clients.masking import client_block_mask
-from clients.seeds import batch_order_seed
+from clients.seeds import augment_seed, batch_order_seed
 from clients.streams import StreamedClients
 from clients.training import LocalResult, LocalTraining, as_array, as_tensor, local_update
 from clients.vectorized import vectorized_local_updates
@@ -24,6 +26,9 @@ from fedmask_app.run.device import compute_setup
 from fedmask_app.run.model import build_model
 from fedmask_app.run.partition import dirichlet_partition, identical_shards
 from strategies.aggregate import ClientReply
+
+# torchvision's RandomCrop pads the stored image with black (0) before it is normalised
+NORMALIZED_BLACK = normalize(np.zeros((1, 1, 1, 3), np.uint8)).flatten()
 
 
 class InjectedFault(RuntimeError):
@@ -119,7 +124,7 @@ class ClientTask:
         images, labels = self.shard(partition_id)
         generator = self._batch_order(server_round, partition_id)
         result = local_update(self.model, global_params, images, labels, local_training(self.cfg), generator, out,
-                              self._step)
+                              self._step, self._augment(server_round, partition_id))
         update = _with_fault(fault, list(out) if out is not None else self._update(result.update))
         return self._reply(partition_id, server_round, sync_seed, keep_prob, result.num_examples, result.train_loss,
                            update)
@@ -187,6 +192,15 @@ class ClientTask:
     def _batch_order(self, server_round: int, partition_id: int) -> torch.Generator:
         order_key = None if self.cfg.identical_shards else partition_id
         return torch.Generator().manual_seed(batch_order_seed(self.cfg.seed, server_round, order_key))
+
+    def _augment(self, server_round: int, partition_id: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``augment = "crop-flip"``: the shard's crops and flips, drawn each epoch from a generator of
+        this client and round (shared by every client in the identical-shards control); else None."""
+        if self.cfg.augment == "none":
+            return None
+        key = None if self.cfg.identical_shards else partition_id
+        generator = torch.Generator().manual_seed(augment_seed(self.cfg.seed, server_round, key))
+        return functools.partial(crop_flip, generator=generator, fill=NORMALIZED_BLACK)
 
     def _reply(self, partition_id: int, server_round: int, sync_seed: int | None, keep_prob: float | None,
                num_examples: int, train_loss: float, update: list[np.ndarray]) -> ClientReply:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clients.augment import AUGMENTATIONS
 from fedmask_app.run.data import FILE_NAME, resolve_data_dir
 from fedmask_app.run.model import MODELS
 
@@ -60,6 +61,7 @@ class RunConfig:
     lr: float
     momentum: float
     weight_decay: float
+    augment: str
     mask_mode: str
     keep_prob: float
     aggregation: str
@@ -193,6 +195,10 @@ class RunConfig:
                  "optimizer across clients; use vectorize = true or cuda-graphs = false)")
         _require(self.momentum == 0 or self.client_streams == 1, "momentum", self.momentum,
                  "0 with client-streams > 1 (a stream's step keeps its optimizer across clients)")
+        _require(self.augment in AUGMENTATIONS, "augment", self.augment, f"one of {', '.join(AUGMENTATIONS)}")
+        _require(self.augment == "none" or not (self.vectorize or self.client_streams > 1), "augment", self.augment,
+                 "'none' with vectorize = true or client-streams > 1 (those paths train on the shard as stored; "
+                 "augmentation runs on the one-client-at-a-time path, either engine)")
 
     def _validate_server_step(self) -> None:
         _require(self.server_step in SERVER_STEPS, "server-step", self.server_step, f"one of {', '.join(SERVER_STEPS)}")
