@@ -312,6 +312,11 @@ def test_protocol_note_names_every_deviation(tmp_path):
     both = pd.concat([paper.assign(momentum=0.0), paper.assign(momentum=0.5, **{"weight-decay": 5e-4})])
     assert report.protocol_deviations(both)[-1].startswith("local training is SGD with momentum 0.5 and weight "
                                                            "decay 0.0005")
+    augmented = pd.concat([paper.assign(augment="none"), paper.assign(augment="crop-flip")])
+    assert report.protocol_deviations(augmented)[-1] == (
+        "local training is SGD with augmentation crop-flip (random 4-pixel-padded crops and horizontal flips) "
+        "(project default: plain SGD; the paper states lr only)")
+    assert report.protocol_deviations(paper.assign(augment="none"))[-1] == report.protocol.LOCAL_TRAINING
 
 
 def test_older_runs_share_a_cell_with_runs_that_spell_out_the_new_keys(tmp_path):
