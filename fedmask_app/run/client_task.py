@@ -189,17 +189,22 @@ class ClientTask:
     def _update(self, tensors: list[torch.Tensor]) -> list:
         return [t.detach() for t in tensors] if self.resident else [as_array(t) for t in tensors]
 
+    def _stream_key(self, partition_id: int) -> int | None:
+        """The partition id that keys a client's random streams; None in the identical-shards control,
+        where every client draws the same batch order and augmentation."""
+        return None if self.cfg.identical_shards else partition_id
+
     def _batch_order(self, server_round: int, partition_id: int) -> torch.Generator:
-        order_key = None if self.cfg.identical_shards else partition_id
-        return torch.Generator().manual_seed(batch_order_seed(self.cfg.seed, server_round, order_key))
+        seed = batch_order_seed(self.cfg.seed, server_round, self._stream_key(partition_id))
+        return torch.Generator().manual_seed(seed)
 
     def _augment(self, server_round: int, partition_id: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``augment = "crop-flip"``: the shard's crops and flips, drawn each epoch from a generator of
         this client and round (shared by every client in the identical-shards control); else None."""
         if self.cfg.augment == "none":
             return None
-        key = None if self.cfg.identical_shards else partition_id
-        generator = torch.Generator().manual_seed(augment_seed(self.cfg.seed, server_round, key))
+        seed = augment_seed(self.cfg.seed, server_round, self._stream_key(partition_id))
+        generator = torch.Generator().manual_seed(seed)
         return functools.partial(crop_flip, generator=generator, fill=NORMALIZED_BLACK)
 
     def _reply(self, partition_id: int, server_round: int, sync_seed: int | None, keep_prob: float | None,

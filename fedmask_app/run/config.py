@@ -134,7 +134,7 @@ class RunConfig:
         _require(self.model in MODELS, "model", self.model, f"one of {', '.join(MODELS)}")
         _require(self.local_epochs >= 1, "local-epochs", self.local_epochs, "an integer tau >= 1")
         _require(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a learning rate > 0")
-        self._validate_optimizer()
+        self._validate_local_training()
         _require(self.mask_mode in MASK_MODES, "mask-mode", self.mask_mode, f"one of {', '.join(MASK_MODES)}")
         _require(self.aggregation in AGGREGATIONS, "aggregation", self.aggregation, f"one of {', '.join(AGGREGATIONS)}")
         _require(self.eval_every >= 0, "eval-every", self.eval_every, "an integer >= 0 (0: never)")
@@ -184,7 +184,7 @@ class RunConfig:
         self.fault_injections()  # parses or raises
         self._validate_data_dir()
 
-    def _validate_optimizer(self) -> None:
+    def _validate_local_training(self) -> None:
         _require(0 <= self.momentum < 1, "momentum", self.momentum,
                  "a number in [0, 1) (heavy-ball momentum of local SGD; 0: plain SGD, the paper's protocol here)")
         _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight-decay", self.weight_decay,
