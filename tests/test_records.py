@@ -128,7 +128,9 @@ def test_records_cross_a_real_ray_task_and_leave_nothing_in_the_object_store(mon
     from ray._private.internal_api import memory_summary  # what `ray memory --stats-only` prints
 
     monkeypatch.setattr(ray_transport, "_registered", False)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    # This session's own address: without one, memory_summary looks for any Ray on the machine and
+    # refuses when another process (a sweep beside the tests) runs one too.
+    address = ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False).address_info["gcs_address"]
     try:
         assert ray_transport.register_in_ray()
 
@@ -145,7 +147,7 @@ def test_records_cross_a_real_ray_task_and_leave_nothing_in_the_object_store(mon
             _assert_same(second.to_numpy_ndarrays(), [-a for a in big])
         del record, first, second
         deadline = time.monotonic() + 10
-        while "0 objects" not in (summary := memory_summary(stats_only=True)) and time.monotonic() < deadline:
+        while "0 objects" not in (summary := memory_summary(address, stats_only=True)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert "Plasma memory usage 0 MiB, 0 objects" in summary, summary
     finally:
