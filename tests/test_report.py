@@ -390,6 +390,28 @@ def test_curvature_figure_is_a_png(tmp_path, sign):
     assert fig.axes[1].get_xscale() == ("log" if sign > 0 else "symlog")
 
 
+def test_curvature_rounds_are_the_measured_full_rounds_with_flagged_ratios_left_out(tmp_path):
+    """Rounds 3, 4, 5 measured and 6 measured but short (9 replies): round 6 is left out (its ceiling
+    is lower), round 4's not-significant rho_h and its s.e. become NaN while its penalties stay; a
+    run that never measured draws no column, and the figure has one column of two panels per run."""
+    write_run(tmp_path, "new", {"seed": 0}, _measured(
+        rho_h=[NAN, NAN, 1.2, 100.0, 2.0, 9.0], rho_h_se=[NAN, NAN, 0.1, 50.0, 0.3, 0.2],
+        rho_h_flag=["", "", "ok", "denominator_not_significant", "ok", "ok"],
+        penalty_sync=[NAN, NAN, 2e-3, 3e-3, 1e-3, 1e-3], penalty_sync_pred=[NAN, NAN, 4e-3, 3e-3, 1e-3, 1e-3]))
+    write_run(tmp_path, "old", {"seed": 1}, rows([1] * 6))
+    rounds = report.load_runs([tmp_path])
+    measured = report.measured_rounds(rounds[rounds["run_name"] == "new"])
+    assert list(measured["round"]) == [3, 4, 5]
+    assert list(measured["rho_h"].fillna(-1)) == [1.2, -1, 2.0]
+    assert measured["rho_h_se"].isna().tolist() == [False, True, False]
+    assert list(measured["penalty_sync"] / measured["penalty_sync_pred"]) == pytest.approx([0.5, 1.0, 1.0])
+    assert report.measured_rounds(rounds[rounds["run_name"] == "old"]).empty
+
+    fig = report.curvature_rounds_figure(rounds, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == PNG_MAGIC
+    assert len(fig.axes) == 2 and fig.axes[0].get_title() == "new"
+
+
 def test_comparison_orders_cells_fedavg_first_then_by_mask(tmp_path):
     """Unmasked FedAvg, unmasked FedExP, then each mask mode with per-tensor masks before coordinate
     masks; runs that differ only in mask-granularity are a comparison too."""

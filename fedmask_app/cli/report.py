@@ -11,10 +11,10 @@ bs = full, else tau * ceil(n_k / bs); T_min-T_max its range over the window's cl
 run's shards.csv). Curvature and flatness measurements: their median over the window rounds that
 have them.
 
-Writes into --out: summary.csv (one row per cell) and fig1.png; curvature.png when any run has
-ρ_H values; comparison.csv and comparison.png when the runs differ in mask-mode, server-step or
-mask-granularity; at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with
---at-accuracy.
+Writes into --out: summary.csv (one row per cell) and fig1.png; curvature.png and
+curvature_rounds.png (the measurements round by round) when any run has ρ_H values; comparison.csv
+and comparison.png when the runs differ in mask-mode, server-step or mask-granularity;
+at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with --at-accuracy.
 
 --at-accuracy LEVEL...: each run read where it first reaches a test accuracy instead of at its last
 round, so runs at different stages of training (another model, optimizer, split) compare at equal
@@ -116,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     cells.drop(columns=["cell_id"], errors="ignore").to_csv(written[0], index=False)
     report.fig1(cells, written[1])
     if report.has_curvature(rounds):
-        written.append(out / "curvature.png")
-        report.curvature_figure(cells, written[-1])
+        written += [out / "curvature.png", out / "curvature_rounds.png"]
+        report.curvature_figure(cells, written[-2])
+        report.curvature_rounds_figure(rounds, written[-1])
     if report.compares_training(runs):
         table = report.comparison_table(runs)
         print(f"\nmasking comparison ({report.SPREAD_NOTE}):")

@@ -25,6 +25,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from fedmask_app.report.figures import log_recovery_axis
+
 MEASURES_COHORT = (
     "q_mean", "q_mean_se", "q_clients", "q_clients_se", "rho_h", "rho_h_se", "penalty_sync", "penalty_sync_se",
     "penalty_ind", "penalty_ind_se", "rho_direct", "rho_direct_se", "penalty_sync_pred", "penalty_ind_pred",
@@ -91,6 +93,77 @@ def has_curvature(frame: pd.DataFrame) -> bool:
 
 ERROR_BAR_NOTE = ("error bars: the median over the window (per run, then across seeds) of the per-round standard "
                   "error; 1/ΔS_w is exact (no bar)")
+
+
+def measured_rounds(group: pd.DataFrame) -> pd.DataFrame:
+    """One run's full rounds (num_clients = K_c) that have a ρ_H column value or a penalty, by round,
+    with a flagged ratio and its standard error set to NaN (as in the window medians)."""
+    rows = group.dropna(subset=["round"]).sort_values("round")
+    if "K_c" in rows and rows["K_c"].notna().any():
+        rows = rows[rows["num_clients"] >= float(rows["K_c"].iloc[0])]
+    rows = rows.copy()
+    for flag, ratio in FLAGS.items():
+        if flag in rows:
+            bad = rows[flag].map(lambda v: _flag(v) not in ("", FLAG_OK)).astype(bool)
+            rows.loc[bad, [c for c in (ratio, f"{ratio}_se") if c in rows]] = np.nan
+    columns = [c for c in ("rho_h", "penalty_sync", "penalty_ind") if c in rows]
+    for column in [*MEASURES_COHORT, "recovery_weighted"]:
+        if column in rows:
+            rows[column] = pd.to_numeric(rows[column], errors="coerce")
+    return rows[rows[columns].notna().any(axis=1)] if columns else rows.iloc[:0]
+
+
+def curvature_rounds_figure(rounds: pd.DataFrame, path: str | Path | None = None) -> Figure:
+    """Round by round, one column per run that measured: top, 1/ΔS_w (Euclidean, exact), ρ_H ± s.e.
+    and ρ_direct ± s.e. at the measured full rounds (flagged ratios left out); bottom, the measured
+    direct penalty over its second-order prediction (1−p)/(2p)·Q, synchronized and independent
+    masks, ± the penalty's s.e. over the prediction. Saved as PNG if ``path``."""
+    runs = [(name, measured_rounds(group)) for name, group in rounds.groupby("run_name", sort=False)]
+    runs = [(name, rows) for name, rows in runs if len(rows)]
+    fig = Figure(figsize=(max(6.0, 4.8 * len(runs)), 7.5), layout="constrained")
+    axes = fig.subplots(2, max(1, len(runs)), squeeze=False, sharex="col")
+    for j, (name, rows) in enumerate(runs):
+        top, bottom = axes[0, j], axes[1, j]
+        x = rows["round"].to_numpy(dtype=float)
+        shown = []
+        for i, (column, se, label) in enumerate((("recovery_weighted", None, "1/ΔS_w (Euclidean)"),
+                                                  ("rho_h", "rho_h_se", "ρ_H (Hessian)"),
+                                                  ("rho_direct", "rho_direct_se", "ρ_direct (measured)"))):
+            if column not in rows:
+                continue
+            y = rows[column].to_numpy(dtype=float)
+            err = rows[se].to_numpy(dtype=float) if se and se in rows else None
+            top.errorbar(x + (i - 1) * 0.4, y, yerr=err, fmt="o-" if se is None else "o", markersize=3.5,
+                         linewidth=1, capsize=2, color=f"C{i}", label=label)
+            spread = np.nan_to_num(err) if err is not None else 0.0
+            shown += [v for v in (*(y - spread), *(y + spread)) if np.isfinite(v)]
+        if shown and min(shown) > 0:
+            log_recovery_axis(top, min(shown) / 1.2, max(shown) * 1.2)
+        top.axhline(1, color="grey", linestyle=":", linewidth=1)
+        top.set_title(name, fontsize=8)
+        top.set_ylabel("share of the penalty that survives averaging")
+        top.legend(fontsize=7)
+        for i, (mode, label) in enumerate((("sync", "synchronized"), ("ind", "independent"))):
+            measured, predicted, se = f"penalty_{mode}", f"penalty_{mode}_pred", f"penalty_{mode}_se"
+            if measured not in rows or predicted not in rows:
+                continue
+            pred = rows[predicted].to_numpy(dtype=float)
+            ratio = rows[measured].to_numpy(dtype=float) / pred
+            err = rows[se].to_numpy(dtype=float) / np.abs(pred) if se in rows else None
+            bottom.errorbar(x + (i - 0.5) * 0.4, ratio, yerr=err, fmt="os"[i], markersize=3.5, capsize=2,
+                            color=f"C{i + 3}", label=label)
+        bottom.axhline(1, color="grey", linestyle=":", linewidth=1)
+        bottom.set_xlabel("round")
+        bottom.set_ylabel("measured penalty / second-order prediction")
+        if bottom.get_legend_handles_labels()[0]:
+            bottom.legend(fontsize=7)
+    if not runs:
+        axes[0, 0].text(0.5, 0.5, "no run measured curvature", ha="center", va="center",
+                        transform=axes[0, 0].transAxes)
+    fig.suptitle("Curvature over rounds (full rounds only; error bars: that round's standard error)", fontsize=10)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
 
 
 def curvature_figure(cells: pd.DataFrame, path: str | Path | None = None) -> Figure:
