@@ -480,21 +480,10 @@ def test_comparison_table_and_figure(tmp_path, capsys):
     assert not (out / "curvature.png").exists()  # no run has rho_h
 
 
-@pytest.mark.slow
-def test_tiny_sweep_then_notebook(tmp_path):
-    """fedmask-sweep conf/tiny/grid.toml (local engine), then notebooks/analysis.ipynb end to end."""
+def run_notebook(results: Path, figures: Path) -> None:
+    """notebooks/analysis.ipynb, committed without outputs, executed on ``results``; figures go to ``figures``."""
     import nbformat
     from nbclient import NotebookClient
-
-    from fedmask_app.cli import sweep
-
-    if not (SHARED_DATA / "cifar10.npz").is_file():
-        pytest.skip(f"no data set at {SHARED_DATA}")
-    results, figures = tmp_path / "results", tmp_path / "figures"
-    rc = sweep.main([str(PROJECT / "conf" / "tiny" / "grid.toml"), "--engine", "local",
-                     "--output-dir", str(results), f'data-dir="{SHARED_DATA}"', "threads=1"])
-    assert rc == 0
-    assert len(list(results.glob("*/rounds.csv"))) == 4
 
     notebook = nbformat.read(PROJECT / "notebooks" / "analysis.ipynb", as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), \
@@ -510,6 +499,31 @@ def test_tiny_sweep_then_notebook(tmp_path):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def test_notebook_shows_the_committed_curvature_runs(tmp_path):
+    """notebooks/analysis.ipynb on docs/mini-curvature/runs (real measurements, nothing trained here)
+    draws both curvature figures."""
+    run_notebook(PROJECT / "docs" / "mini-curvature" / "runs", tmp_path)
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert {"curvature.png", "curvature_rounds.png", "fig1.png"} <= set(pngs)
+    assert all((tmp_path / name).read_bytes()[:8] == PNG_MAGIC for name in pngs)
+
+
+@pytest.mark.slow
+def test_tiny_sweep_then_notebook(tmp_path):
+    """fedmask-sweep conf/tiny/grid.toml (local engine), then notebooks/analysis.ipynb end to end."""
+    from fedmask_app.cli import sweep
+
+    if not (SHARED_DATA / "cifar10.npz").is_file():
+        pytest.skip(f"no data set at {SHARED_DATA}")
+    results, figures = tmp_path / "results", tmp_path / "figures"
+    rc = sweep.main([str(PROJECT / "conf" / "tiny" / "grid.toml"), "--engine", "local",
+                     "--output-dir", str(results), f'data-dir="{SHARED_DATA}"', "threads=1"])
+    assert rc == 0
+    assert len(list(results.glob("*/rounds.csv"))) == 4
+
+    run_notebook(results, figures)
     pngs = sorted(p.name for p in figures.glob("*.png"))
     assert pngs == ["fig1.png", "per_round.png", "recovery_vs_accuracy.png", "recovery_vs_r.png"]
     assert all((figures / name).read_bytes()[:8] == PNG_MAGIC for name in pngs)
