@@ -44,11 +44,7 @@ def run_measurements(window: pd.DataFrame, full: pd.DataFrame) -> dict:
 
     ``window``: the run's window rounds; ``full``: those of them with num_clients = K_c."""
     out = {}
-    full = full.copy()
-    for flag, ratio in FLAGS.items():  # a ratio flagged not meaningful stays out (measure/ writes it NaN anyway)
-        if flag in full:
-            bad = full[flag].map(lambda v: _flag(v) not in ("", FLAG_OK)).astype(bool)
-            full.loc[bad, [c for c in (ratio, f"{ratio}_se") if c in full]] = np.nan
+    full = without_flagged_ratios(full)
     for columns, rows in ((MEASURES_COHORT, full), (MEASURES_MODEL, window)):
         for column in columns:
             if column in rows:
@@ -59,6 +55,17 @@ def run_measurements(window: pd.DataFrame, full: pd.DataFrame) -> dict:
             out[f"{ratio}_measured"] = len(flags)
             out[f"{ratio}_flagged"] = sum(f != FLAG_OK for f in flags)
     return out
+
+
+def without_flagged_ratios(rows: pd.DataFrame) -> pd.DataFrame:
+    """A copy of ``rows`` with each ratio flagged not meaningful, and its standard error, set to NaN
+    (measure/ writes such a ratio NaN already; older runs may hold a value)."""
+    rows = rows.copy()
+    for flag, ratio in FLAGS.items():
+        if flag in rows:
+            bad = rows[flag].map(lambda v: _flag(v) not in ("", FLAG_OK)).astype(bool)
+            rows.loc[bad, [c for c in (ratio, f"{ratio}_se") if c in rows]] = np.nan
+    return rows
 
 
 def _flag(value) -> str:
@@ -101,11 +108,7 @@ def measured_rounds(group: pd.DataFrame) -> pd.DataFrame:
     rows = group.dropna(subset=["round"]).sort_values("round")
     if "K_c" in rows and rows["K_c"].notna().any():
         rows = rows[rows["num_clients"] >= float(rows["K_c"].iloc[0])]
-    rows = rows.copy()
-    for flag, ratio in FLAGS.items():
-        if flag in rows:
-            bad = rows[flag].map(lambda v: _flag(v) not in ("", FLAG_OK)).astype(bool)
-            rows.loc[bad, [c for c in (ratio, f"{ratio}_se") if c in rows]] = np.nan
+    rows = without_flagged_ratios(rows)
     columns = [c for c in ("rho_h", "penalty_sync", "penalty_ind") if c in rows]
     for column in [*MEASURES_COHORT, "recovery_weighted"]:
         if column in rows:
