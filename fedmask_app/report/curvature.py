@@ -26,6 +26,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from fedmask_app.report.figures import log_recovery_axis
+from fedmask_app.report.runs import full_rounds
 
 MEASURES_COHORT = (
     "q_mean", "q_mean_se", "q_clients", "q_clients_se", "rho_h", "rho_h_se", "penalty_sync", "penalty_sync_se",
@@ -106,9 +107,7 @@ def measured_rounds(group: pd.DataFrame) -> pd.DataFrame:
     """One run's full rounds (num_clients = K_c) that have a ρ_H column value or a penalty, by round,
     with a flagged ratio and its standard error set to NaN (as in the window medians)."""
     rows = group.dropna(subset=["round"]).sort_values("round")
-    if "K_c" in rows and rows["K_c"].notna().any():
-        rows = rows[rows["num_clients"] >= float(rows["K_c"].iloc[0])]
-    rows = without_flagged_ratios(rows)
+    rows = without_flagged_ratios(rows[full_rounds(rows, group["K_c"].iloc[0])])
     columns = [c for c in ("rho_h", "penalty_sync", "penalty_ind") if c in rows]
     for column in [*MEASURES_COHORT, "recovery_weighted"]:
         if column in rows:

@@ -137,6 +137,14 @@ def _shard_range(run_dir: Path, rounds: pd.DataFrame) -> tuple[pd.Series, pd.Ser
         return nan, nan
 
 
+def full_rounds(rows: pd.DataFrame, k_c: object) -> pd.Series:
+    """Which of one run's rows are full rounds (num_clients = K_c: every cohort client replied), the
+    rounds the recovery statistics and the cohort measurements use; with K_c unknown, every row
+    that has a reply count."""
+    k_c = pd.to_numeric(pd.Series([k_c]), errors="coerce").iloc[0]
+    return rows["num_clients"] >= k_c if np.isfinite(k_c) else rows["num_clients"].notna()
+
+
 def bs_label(value) -> str:
     """Batch size as the paper writes it: "32", "128", "full"."""
     if isinstance(value, float) and value.is_integer():

@@ -21,6 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedmask_app.report.figures import log_recovery_axis
+from fedmask_app.report.runs import full_rounds
 from fedmask_app.report.tables import RECOVERY_METRICS
 
 AT_ACCURACY_COLUMNS = ("run", "run_name", "cell", "seed", "level", "round", "window_rounds", "test_accuracy",
@@ -38,8 +39,7 @@ def windowed_medians(group: pd.DataFrame, window: int) -> pd.DataFrame:
         return pd.DataFrame(columns=["test_accuracy", *RECOVERY_METRICS, "window_rounds"])
     rounds = pd.RangeIndex(1, int(rows.index.max()) + 1, name="round")
     rows = rows.reindex(rounds)
-    k_c = pd.to_numeric(group["K_c"], errors="coerce").iloc[0]
-    full = rows["num_clients"] >= k_c if np.isfinite(k_c) else rows["num_clients"].notna()
+    full = full_rounds(rows, group["K_c"].iloc[0])
     columns = {"test_accuracy": rows["test_accuracy"], **{m: rows[m].where(full) for m in RECOVERY_METRICS}}
     out = pd.DataFrame({name: values.rolling(window, min_periods=1).median() for name, values in columns.items()})
     out["window_rounds"] = np.minimum(rounds.to_numpy(), window)
