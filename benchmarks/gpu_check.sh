@@ -2,22 +2,22 @@
 # The GPU check, run as is on a bare GPU machine from a copy of the repo tree (no install, no
 # network, no flwr/ray): python3 with torch, torchvision, numpy, pandas, filelock; PYTHONPATH=.
 #
-#   bash benchmarks/gpu_check.sh                # on the GPU machine: meant to take about 9 minutes on one H200
+#   bash benchmarks/gpu_check.sh                # on the GPU machine: meant to take about 8 minutes on one H200
 #   bash benchmarks/gpu_check.sh --cpu-smoke    # the same steps, tiny, on a CPU (about a minute)
 #
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
 # (control, repetition, CUDA graphs against eager, client streams against one by one, device-resident
-# against host rounds, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py in float32 (rounds per cell and
-# path, each split into training and server step; the protocol's projected time; the evaluation; 4
-# runs in threads of one process), 5 runs trained together (fedmask-sweep --group-runs: 1, 3 and 9
-# runs' cohorts as one computation, tf32, every cell, with the projection; and their evaluations
-# batched across the runs against one after another; and groups at bs 32 vmapped one cohort at a
-# time under the one CUDA graph), 6 step 4's timing in tf32
-# and bf16 on the two replayed cohort paths (client streams and vectorised, with CUDA graphs), 7
-# benchmarks/step_profile.py (one bs-32 step per path: wall against kernel time, the costliest
-# kernels), 8 the server step on the device against numpy on the host, 9 the bs-32 cell again with
-# skip-padding-taps. The order is by weight: when the call's time runs out, the tail is what is lost.
+# against host rounds, runs trained together, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py in
+# float32 on vec-graphs, vectorised and sequential (rounds per cell and path, each split into training
+# and server step; the protocol's projected time; the evaluation), 5 the same in tf32 and bf16 on the
+# two replayed cohort paths (client streams and vectorised, with CUDA graphs), 6 the bs-32 cell again
+# with skip-padding-taps on vec-graphs, 7 benchmarks/step_profile.py (one bs-32 step of the replayed
+# paths in tf32 and bf16: wall against kernel time, the costliest kernels), 8
+# benchmarks/streams_graphs_hang.py (which float32 client-streams + cuda-graphs rounds hang). Measured
+# on 2026-12-04 and no longer part of the check (docs/gpu): runs trained together (--grouped), the
+# server step on the device against the host (--residency both), 4 runs in threads (--threaded).
+# The order is by weight: when the call's time runs out, the tail is what is lost.
 # Every step runs, each under a time limit; the exit status is 1 when one failed.
 # GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
 
@@ -106,34 +106,29 @@ if [[ $SMOKE == 1 ]]; then
         --concurrent 2 --threaded 2 --grouped 2 --grouped-chunked --eval-batch-sizes 100
     step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
         --data-dir "$DATA_DIR" --paths vectorised --precisions float32 --residency both
+    step "benchmarks/streams_graphs_hang.py" 120 "$PY" benchmarks/streams_graphs_hang.py --data-dir "$DATA_DIR" \
+        --device cpu --cases 1
 else
     # Most decisive first: if the call's time runs out, the tail is what is lost.
     # --budget-s skips the configurations left once that many seconds have passed; --config-cap-s ends
     # one configuration's timed rounds after that many seconds (at least one round is timed).
-    # float32 (the default precision): the cohort paths, new first, the sequential baseline, the
-    # evaluation at another batch size, then 4 runs in threads of one process on streams-graphs
-    step "benchmarks/gpu_timing.py float32" 240 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths streams-graphs vec-graphs streams sequential vectorised --precisions float32 --budget-s 120 \
-        --config-cap-s 6 --eval-batch-sizes 2500 --threaded 4 --concurrent-path streams-graphs
-    # runs trained together (fedmask-sweep --group-runs N), each cell, with its projection; their
-    # evaluations batched across the runs; the bs-32 groups vmapped one cohort at a time
-    step "benchmarks/gpu_timing.py --grouped" 150 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths --precisions tf32 --grouped 3 9 --grouped-path vec-graphs --grouped-precision tf32 --grouped-chunked \
-        --concurrent-cells bs32-tau2 bs128-tau1 full-tau1 --rounds 2 --budget-s 105 --test-images 2000
+    # float32 (the default precision) on the paths that finish in float32: streams-graphs hung there on
+    # 2026-12-04 (docs/gpu), the last step asks why
+    step "benchmarks/gpu_timing.py float32" 150 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
+        --paths vec-graphs vectorised sequential --precisions float32 --budget-s 90 --config-cap-s 6
     # tf32 and bf16 on the two replayed cohort paths
     step "benchmarks/gpu_timing.py tf32 bf16" 120 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
         --paths streams-graphs vec-graphs --precisions tf32 bf16 --budget-s 60 --config-cap-s 5
-    # one bs-32 step of each path: wall time against the GPU's kernel time, and the costliest kernels
-    step "benchmarks/step_profile.py" 90 "$PY" benchmarks/step_profile.py --device cuda --precision float32 \
-        --cudnn-benchmark --steps 10
-    # the server step on the device against the host's numpy pass, side by side, where it weighs most
-    step "benchmarks/gpu_timing.py --residency both" 60 "$PY" benchmarks/gpu_timing.py --device cuda \
-        --data-dir "$DATA_DIR" --paths vectorised --cells bs128-tau1 full-tau1 --precisions tf32 \
-        --residency both --budget-s 20 --config-cap-s 4 --test-images 2000
-    # skip-padding-taps on the launch-bound cell (compare with the float32 lines above)
+    # skip-padding-taps on the launch-bound cell, on the fastest path (compare with the lines above)
     step "benchmarks/gpu_timing.py --skip-padding-taps" 60 "$PY" benchmarks/gpu_timing.py --device cuda \
-        --data-dir "$DATA_DIR" --cells bs32-tau2 --paths streams-graphs vec-graphs --precisions float32 \
+        --data-dir "$DATA_DIR" --cells bs32-tau2 --paths vec-graphs --precisions tf32 bf16 \
         --budget-s 25 --config-cap-s 5 --skip-padding-taps --test-images 2000
+    # one bs-32 step of the replayed paths in tf32 and bf16: wall time against kernel time, the costliest kernels
+    step "benchmarks/step_profile.py" 90 "$PY" benchmarks/step_profile.py --device cuda --precision tf32 bf16 \
+        --paths graphs vec-graphs --steps 10
+    # which float32 client-streams + cuda-graphs runs hang: streams, clients, a partial batch, determinism
+    step "benchmarks/streams_graphs_hang.py" 240 "$PY" benchmarks/streams_graphs_hang.py --data-dir "$DATA_DIR" \
+        --timeout-s 25
 fi
 if [[ ${#FAILED[@]} -gt 0 ]]; then
     echo "=== gpu_check: FAILED steps: ${FAILED[*]}"

@@ -94,4 +94,19 @@ def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
     assert "float32  grouped eval N= 2: 2 evaluations of" in out and "batched across the runs" in out
     assert "grouped N= 2 bs32-tau2  in vmap chunks of 2 clients: " in out and "x the engine's group" in out
     assert "streams-graphs: skipped (CUDA graphs and streams need a CUDA device)" in out
+    assert "streams 10, K_c 10, shard 500, float32 default: finished in" in out
     assert done.stdout.rstrip().endswith("=== gpu_check: all steps passed")
+
+
+def test_the_hang_harness_reports_a_run_past_its_timeout_with_its_stack(subset_dir, capsys):
+    sys.path.insert(0, str(PROJECT / "benchmarks"))
+    try:
+        import streams_graphs_hang
+    finally:
+        sys.path.remove(str(PROJECT / "benchmarks"))
+    # 0.2 s after the imports no run has loaded its data and trained a round: it counts as hung
+    streams_graphs_hang.main(["--data-dir", str(subset_dir), "--device", "cpu", "--cases", "1", "--timeout-s", "0.2"])
+    out = capsys.readouterr().out
+    assert "streams 10, K_c 10, shard 500, float32 default: HUNG after" in out
+    assert "Timeout (0:00:00.200000)!" in out and "most recent call first" in out
+    assert out.rstrip().endswith("#   streams 10, K_c 10, shard 500, float32 default")

@@ -19,6 +19,7 @@ from fedmask_app.engines import local
 from fedmask_app.engines.local import local_train_round, run_local, side_by_side
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import ConfigError, refuse_local_engine_keys, run_config_from_values
+from fedmask_app.run.device import streams_graphs_float32_warning
 from fedmask_app.run.loop import run_rounds
 from strategies.cohort import sample_cohort
 
@@ -80,6 +81,18 @@ def test_the_local_engine_refuses_streams_without_cuda(tmp_path, monkeypatch):
     cfg = run_config_from_values({"client-streams": 4, "output-dir": str(tmp_path)})
     with pytest.raises(ConfigError, match=r"client-streams = 4 needs a CUDA device; this run would train on cpu"):
         run_local(cfg, echo=lambda _: None)
+
+
+def test_float32_streams_with_cuda_graphs_on_cuda_warn_of_the_measured_hang():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    hung = {"client-streams": 10, "cuda-graphs": True}
+    message = streams_graphs_float32_warning(run_config_from_values(hung), cuda)
+    assert message is not None and "client-streams = 10 with cuda-graphs = true in float32 hung" in message
+    assert "docs/gpu/README.md" in message
+    for values, device in (({**hung, "precision": "tf32"}, cuda), ({**hung, "precision": "bf16"}, cuda),
+                           ({**hung, "cuda-graphs": False}, cuda), ({"client-streams": 1, "cuda-graphs": True}, cuda),
+                           ({"vectorize": True, "cuda-graphs": True}, cuda), ({"cuda-graphs": True}, cpu)):
+        assert streams_graphs_float32_warning(run_config_from_values(values), device) is None, values
 
 
 @pytest.mark.parametrize("resident", [False, True])

@@ -21,7 +21,7 @@ from clients.seeds import synchronized_mask_seed
 from fedmask_app.engines.client_pool import ClientPool, pool_size, worker_threads
 from fedmask_app.run.client_task import ClientTask, failure_line
 from fedmask_app.run.config import ConfigError, RunConfig
-from fedmask_app.run.device import pick_device, refuse_graphs_without_cuda
+from fedmask_app.run.device import pick_device, refuse_graphs_without_cuda, streams_graphs_float32_warning
 from fedmask_app.run.loop import TrainRound, run_rounds
 from strategies.aggregate import ClientReply, ServerLr
 from strategies.cohort import sample_cohort
@@ -140,6 +140,8 @@ def run_local(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[np.nd
         raise ConfigError(f"client-streams = {cfg.client_streams} needs a CUDA device; this run would train on "
                          f"{device} (set client-streams = 1)")
     refuse_graphs_without_cuda(cfg, device)
+    if warning := streams_graphs_float32_warning(cfg, device):
+        echo(warning)
     engine = engine_name(cfg)
     with contextlib.ExitStack() as stack:
         if pool_size(cfg) > 1:  # client-processes = 0 on one CPU trains in this process

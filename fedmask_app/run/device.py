@@ -28,6 +28,18 @@ def refuse_graphs_without_cuda(cfg: RunConfig, device: torch.device | None = Non
                           "(set cuda-graphs = false)")
 
 
+def streams_graphs_float32_warning(cfg: RunConfig, device: torch.device) -> str | None:
+    """A warning for client-streams > 1 with cuda-graphs = true in float32 on CUDA: on an H200 a
+    round of 10 clients x 500 images at bs 32 so configured never finished (tf32 and bf16 did), while
+    tests/test_cuda.py's 3 streams, 4 clients and shards of 80 pass; the cause is unknown
+    (docs/gpu/README.md, 2026-12-04). None for every other configuration."""
+    if not (device.type == "cuda" and cfg.client_streams > 1 and cfg.cuda_graphs and cfg.precision == "float32"):
+        return None
+    return (f"[fedmask] warning: client-streams = {cfg.client_streams} with cuda-graphs = true in float32 hung on "
+            "an H200 (10 clients x 500 images, bs 32; docs/gpu/README.md, 2026-12-04). Measured to run there: "
+            "vectorize = true with cuda-graphs = true (the faster path), or precision = 'tf32' / 'bf16'.")
+
+
 def given_cpus() -> int:
     """The CPUs this process was given: OMP_NUM_THREADS (Ray sets it for its tasks), else all."""
     return int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
