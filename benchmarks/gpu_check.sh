@@ -13,7 +13,8 @@
 # and server step; the protocol's projected time; the evaluation), 5 the same in tf32 and bf16 on the
 # two replayed cohort paths (client streams and vectorised, with CUDA graphs), 6 the bs-32 cell again
 # with skip-padding-taps on vec-graphs, 7 benchmarks/step_profile.py (one bs-32 step of the replayed
-# paths in tf32 and bf16: wall against kernel time, the costliest kernels), 8
+# paths in tf32 and bf16: wall against kernel time, the costliest kernels; the one-client step
+# again channels-last), 8
 # benchmarks/streams_graphs_hang.py (which float32 client-streams + cuda-graphs rounds hang). Measured
 # on 2026-12-04 and no longer part of the check (docs/gpu): runs trained together (--grouped), the
 # server step on the device against the host (--residency both), 4 runs in threads (--threaded).
@@ -101,7 +102,7 @@ step "data" 30 "$PY" -c "$DATA_PY" "$DATA_DIR"
 step "tests/test_cuda.py" 180 "$PY" tests/test_cuda.py
 if [[ $SMOKE == 1 ]]; then
     step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cpu --steps 1 --clients 2 \
-        --paths sequential vectorised --top 3 --cudnn-benchmark
+        --paths sequential vectorised --top 3 --cudnn-benchmark --channels-last
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
         --concurrent 2 --threaded 2 --grouped 2 --grouped-chunked --eval-batch-sizes 100
     step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
@@ -123,9 +124,10 @@ else
     step "benchmarks/gpu_timing.py --skip-padding-taps" 60 "$PY" benchmarks/gpu_timing.py --device cuda \
         --data-dir "$DATA_DIR" --cells bs32-tau2 --paths vec-graphs --precisions tf32 bf16 \
         --budget-s 25 --config-cap-s 5 --skip-padding-taps --test-images 2000
-    # one bs-32 step of the replayed paths in tf32 and bf16: wall time against kernel time, the costliest kernels
+    # one bs-32 step of the replayed paths in tf32 and bf16: wall time against kernel time, the costliest
+    # kernels; the one-client step again in channels-last layout (a candidate: no layout transposes)
     step "benchmarks/step_profile.py" 90 "$PY" benchmarks/step_profile.py --device cuda --precision tf32 bf16 \
-        --paths graphs vec-graphs --steps 10
+        --paths graphs vec-graphs --steps 10 --channels-last
     # which float32 client-streams + cuda-graphs runs hang: streams, clients, a partial batch, determinism
     step "benchmarks/streams_graphs_hang.py" 240 "$PY" benchmarks/streams_graphs_hang.py --data-dir "$DATA_DIR" \
         --timeout-s 25

@@ -12,8 +12,12 @@ far below, by the CPU issuing them (which CUDA graphs remove). On the streams pa
 different clients overlap, so their sum may pass the wall time. ``--cudnn-benchmark`` measures
 each path again with cuDNN's autotuner choosing the convolution algorithms (the engine leaves it
 off: under float32's deterministic setting it picks among deterministic algorithms only, but its
-choice may differ from run to run). Synthetic CIFAR-shaped batches: the timing does not depend on
-the pixels.
+choice may differ from run to run). ``--channels-last`` measures the one-client paths again with
+the model and the images in channels-last (NHWC) layout, a candidate and not an engine setting:
+cuDNN's tensor-core convolutions work in NHWC and transpose NCHW tensors to it (the float32
+vectorised step spent 7.2 of its 60.6 kernel milliseconds in such transposes on an H200), but
+GroupNorm's CUDA kernels may convert back. Synthetic CIFAR-shaped batches: the timing does not
+depend on the pixels.
 
     python benchmarks/step_profile.py --device cuda --precision float32 tf32 --cudnn-benchmark
     python benchmarks/step_profile.py --device cpu --steps 2 --clients 2   # a CPU check of the script
@@ -53,15 +57,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-padding-taps", action="store_true")
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="each path again with cuDNN's autotuner on (the engine leaves it off), side by side")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="the one-client paths (sequential, graphs) again with model and images channels-last")
     return parser.parse_args(argv)
 
 
 def step_function(path: str, model: torch.nn.Module, training: LocalTraining, clients: int,
-                  device: torch.device, dtype: torch.dtype) -> Callable[[], object]:
-    """One step of ``path`` on fixed synthetic batches, as a no-argument callable."""
+                  device: torch.device, dtype: torch.dtype,
+                  memory_format: torch.memory_format = torch.contiguous_format) -> Callable[[], object]:
+    """One step of ``path`` on fixed synthetic batches, as a no-argument callable; ``memory_format``
+    (one-client paths only): the model's and the images' layout."""
     gen = torch.Generator().manual_seed(0)
     if path in ("sequential", "graphs"):
+        model.to(memory_format=memory_format)
         images = torch.randn(training.batch_size, 3, 32, 32, generator=gen).to(device, dtype)
+        images = images.contiguous(memory_format=memory_format)
         labels = torch.randint(0, 10, (training.batch_size,), generator=gen).to(device)
         step = CudaGraphStep(model, training) if path == "graphs" else SGDStep(model, training)
         return lambda: step(images, labels)
@@ -140,15 +150,21 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype = compute_setup(cfg)
         training = LocalTraining(epochs=1, batch_size=args.batch_size, lr=0.01, bf16=precision == "bf16")
         for path in args.paths:
-            for autotune in (False, True) if args.cudnn_benchmark else (False,):
-                label = f"{precision:8s} {path:14s} ({device.type}{', cudnn.benchmark' if autotune else ''})"
+            layouts = [torch.contiguous_format]
+            if args.channels_last and path in ("sequential", "graphs"):
+                layouts.append(torch.channels_last)
+            for autotune, layout in [(a, m) for a in ((False, True) if args.cudnn_benchmark else (False,))
+                                     for m in layouts]:
+                extras = ", cudnn.benchmark" if autotune else ""
+                extras += ", channels-last" if layout is torch.channels_last else ""
+                label = f"{precision:8s} {path:14s} ({device.type}{extras})"
                 if (path.endswith("graphs") or path.startswith("streams")) and device.type != "cuda":
                     print(f"{label}: skipped (CUDA graphs and streams need a CUDA device)", flush=True)
                     continue
                 torch.backends.cudnn.benchmark = autotune
                 try:
                     model = build_model(args.model, args.skip_padding_taps).to(device, dtype)
-                    report = measure(step_function(path, model, training, args.clients, device, dtype),
+                    report = measure(step_function(path, model, training, args.clients, device, dtype, layout),
                                      args.steps, device, args.top)
                 except Exception as exc:  # report and go on: one failing path must not hide the others
                     print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)

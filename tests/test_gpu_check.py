@@ -95,6 +95,7 @@ def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
     assert "grouped N= 2 bs32-tau2  in vmap chunks of 2 clients: " in out and "x the engine's group" in out
     assert "streams-graphs: skipped (CUDA graphs and streams need a CUDA device)" in out
     assert "streams 10, K_c 10, shard 500, float32 default: finished in" in out
+    assert "float32  sequential     (cpu, channels-last): wall" in out
     assert done.stdout.rstrip().endswith("=== gpu_check: all steps passed")
 
 
