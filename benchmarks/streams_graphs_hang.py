@@ -9,8 +9,8 @@ replica's graph was captured. tf32 and bf16 ran the same round in 0.48 and 0.57 
 80. Each line below is one round of the local engine in a process of its own, ended after
 ``--timeout-s`` (its Python stacks are printed then), varying one thing at a time from the hung
 run: the number of streams and clients, a shard size without a partial batch (512), and float32
-with deterministic algorithms off (``--variant nondeterministic``: TF32 stays off; not a setting
-the engine offers, only the discriminator). What hangs says which of them is the trigger.
+with deterministic algorithms off (the case marked "nondeterministic": TF32 stays off; not a
+setting the engine offers, only the discriminator). What hangs says which of them is the trigger.
 
     python benchmarks/streams_graphs_hang.py --data-dir .gpu-data           # on the GPU, about 2 minutes
     python benchmarks/streams_graphs_hang.py --data-dir ../shared/data --device cpu --cases 2   # the harness on a CPU
