@@ -14,7 +14,7 @@
 # two replayed cohort paths (client streams and vectorised, with CUDA graphs), 6 the bs-32 cell again
 # with skip-padding-taps on vec-graphs, 7 benchmarks/step_profile.py (one bs-32 step of the replayed
 # paths in tf32 and bf16: wall against kernel time, the costliest kernels; the one-client step
-# again channels-last), 8
+# again channels-last; each with and without cuDNN's autotuner), 8
 # benchmarks/streams_graphs_hang.py (which float32 client-streams + cuda-graphs rounds hang). Measured
 # on 2026-12-04 and no longer part of the check (docs/gpu): runs trained together (--grouped), the
 # server step on the device against the host (--residency both), 4 runs in threads (--threaded).
@@ -125,9 +125,10 @@ else
         --data-dir "$DATA_DIR" --cells bs32-tau2 --paths vec-graphs --precisions tf32 bf16 \
         --budget-s 25 --config-cap-s 5 --skip-padding-taps --test-images 2000
     # one bs-32 step of the replayed paths in tf32 and bf16: wall time against kernel time, the costliest
-    # kernels; the one-client step again in channels-last layout (a candidate: no layout transposes)
-    step "benchmarks/step_profile.py" 90 "$PY" benchmarks/step_profile.py --device cuda --precision tf32 bf16 \
-        --paths graphs vec-graphs --steps 10 --channels-last
+    # kernels; the one-client step again in channels-last layout (a candidate: no layout transposes);
+    # each again with cuDNN's autotuner (candidates both: the engine leaves it off)
+    step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cuda --precision tf32 bf16 \
+        --paths graphs vec-graphs --steps 10 --channels-last --cudnn-benchmark
     # which float32 client-streams + cuda-graphs runs hang: streams, clients, a partial batch, determinism
     step "benchmarks/streams_graphs_hang.py" 240 "$PY" benchmarks/streams_graphs_hang.py --data-dir "$DATA_DIR" \
         --timeout-s 25
