@@ -26,6 +26,7 @@ depend on the pixels.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from collections.abc import Callable
 
@@ -153,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             layouts = [torch.contiguous_format]
             if args.channels_last and path in ("sequential", "graphs"):
                 layouts.append(torch.channels_last)
-            for autotune, layout in [(a, m) for a in ((False, True) if args.cudnn_benchmark else (False,))
-                                     for m in layouts]:
+            for autotune, layout in itertools.product((False, True) if args.cudnn_benchmark else (False,), layouts):
                 extras = ", cudnn.benchmark" if autotune else ""
                 extras += ", channels-last" if layout is torch.channels_last else ""
                 label = f"{precision:8s} {path:14s} ({device.type}{extras})"

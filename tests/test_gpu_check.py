@@ -3,6 +3,7 @@ never taken for CIFAR-10 proper, recorded by its own hash), and benchmarks/gpu_c
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -99,12 +100,9 @@ def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
     assert done.stdout.rstrip().endswith("=== gpu_check: all steps passed")
 
 
-def test_the_hang_harness_reports_a_run_past_its_timeout_with_its_stack(subset_dir, capsys):
-    sys.path.insert(0, str(PROJECT / "benchmarks"))
-    try:
-        import streams_graphs_hang
-    finally:
-        sys.path.remove(str(PROJECT / "benchmarks"))
+def test_the_hang_harness_reports_a_run_past_its_timeout_with_its_stack(subset_dir, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(PROJECT / "benchmarks"))
+    streams_graphs_hang = importlib.import_module("streams_graphs_hang")
     # 0.2 s after the imports no run has loaded its data and trained a round: it counts as hung
     streams_graphs_hang.main(["--data-dir", str(subset_dir), "--device", "cpu", "--cases", "1", "--timeout-s", "0.2"])
     out = capsys.readouterr().out
