@@ -8,16 +8,17 @@
 # Data: $FEDMASK_GPU_DATA_DIR, default .gpu-data/ (cifar10-subset.npz from benchmarks/gpu_subset.py;
 # carry it with the tree). Steps: 1 imports without flwr/ray, 2 the data verify, 3 tests/test_cuda.py
 # (control, repetition, CUDA graphs against eager, client streams against one by one, device-resident
-# against host rounds, runs trained together, CUDA-vs-CPU drift), 4 benchmarks/gpu_timing.py in
-# float32 on vec-graphs, vectorised and sequential (rounds per cell and path, each split into training
-# and server step; the protocol's projected time; the evaluation), 5 the same in tf32 and bf16 on the
-# two replayed cohort paths (client streams and vectorised, with CUDA graphs), 6 the bs-32 cell again
-# with skip-padding-taps on vec-graphs, 7 benchmarks/step_profile.py (one bs-32 step of the replayed
-# paths in tf32 and bf16: wall against kernel time, the costliest kernels; the one-client step
-# again channels-last; each with and without cuDNN's autotuner), 8
+# against host rounds, gemm-convs against cuDNN's convolutions, runs trained together, CUDA-vs-CPU
+# drift), 4 benchmarks/gpu_timing.py on vec-graphs with and without gemm-convs, side by side, in bf16,
+# tf32 and float32 (rounds per cell and path, each split into training and server step; their ratio;
+# the protocol's projected time each way; the evaluation), 5 the bs-32 cell again with
+# skip-padding-taps, 6 benchmarks/step_profile.py (one bs-32 step of the replayed paths in bf16 and
+# tf32: wall against kernel time, kernels a step, the costliest kernels; each with and without
+# gemm-convs and cuDNN's autotuner, the one-client step again channels-last), 7
 # benchmarks/streams_graphs_hang.py (which float32 client-streams + cuda-graphs rounds hang). Measured
-# on 2026-12-04 and no longer part of the check (docs/gpu): runs trained together (--grouped), the
-# server step on the device against the host (--residency both), 4 runs in threads (--threaded).
+# on 2026-12-04 and no longer part of the check (docs/gpu): the sequential and eager vectorised paths
+# and streams-graphs (slower than vec-graphs in every precision), runs trained together (--grouped),
+# the server step on the device against the host (--residency both), 4 runs in threads (--threaded).
 # The order is by weight: when the call's time runs out, the tail is what is lost.
 # Every step runs, each under a time limit; the exit status is 1 when one failed.
 # GPU_CHECK_CPU_SMOKE=1 is the same as --cpu-smoke.
@@ -102,7 +103,9 @@ step "data" 30 "$PY" -c "$DATA_PY" "$DATA_DIR"
 step "tests/test_cuda.py" 180 "$PY" tests/test_cuda.py
 if [[ $SMOKE == 1 ]]; then
     step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cpu --steps 1 --clients 2 \
-        --paths sequential vectorised --top 3 --cudnn-benchmark --channels-last
+        --paths sequential vectorised --top 3 --cudnn-benchmark --channels-last --gemm-convs --model cnn-fedavg
+    step "benchmarks/gpu_timing.py --quick gemm-convs" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
+        --data-dir "$DATA_DIR" --model cnn-fedavg --paths vectorised vectorised-gemm --precisions float32 bf16
     step "benchmarks/gpu_timing.py --quick" 240 "$PY" benchmarks/gpu_timing.py --quick --device cpu --data-dir "$DATA_DIR" \
         --concurrent 2 --threaded 2 --grouped 2 --grouped-chunked --eval-batch-sizes 100
     step "benchmarks/gpu_timing.py --quick --residency both" 120 "$PY" benchmarks/gpu_timing.py --quick --device cpu \
@@ -113,22 +116,21 @@ else
     # Most decisive first: if the call's time runs out, the tail is what is lost.
     # --budget-s skips the configurations left once that many seconds have passed; --config-cap-s ends
     # one configuration's timed rounds after that many seconds (at least one round is timed).
-    # float32 (the default precision) on the paths that finish in float32: streams-graphs hung there on
-    # 2026-12-04 (docs/gpu), the last step asks why
-    step "benchmarks/gpu_timing.py float32" 150 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths vec-graphs vectorised sequential --precisions float32 --budget-s 90 --config-cap-s 6
-    # tf32 and bf16 on the two replayed cohort paths
-    step "benchmarks/gpu_timing.py tf32 bf16" 120 "$PY" benchmarks/gpu_timing.py --device cuda --data-dir "$DATA_DIR" \
-        --paths streams-graphs vec-graphs --precisions tf32 bf16 --budget-s 60 --config-cap-s 5
-    # skip-padding-taps on the launch-bound cell, on the fastest path (compare with the lines above)
+    # the fastest path (vec-graphs) with and without gemm-convs, side by side, every precision: under vmap
+    # cuDNN ran the cohort's grouped convolutions group by group (2026-12-04's profile), gemm-convs
+    # makes them one batched GEMM
+    step "benchmarks/gpu_timing.py gemm-convs" 200 "$PY" benchmarks/gpu_timing.py --device cuda \
+        --data-dir "$DATA_DIR" --paths vec-graphs vec-graphs-gemm --precisions bf16 tf32 float32 \
+        --budget-s 150 --config-cap-s 4
+    # skip-padding-taps on the launch-bound cell, both ways (compare with the lines above)
     step "benchmarks/gpu_timing.py --skip-padding-taps" 60 "$PY" benchmarks/gpu_timing.py --device cuda \
-        --data-dir "$DATA_DIR" --cells bs32-tau2 --paths vec-graphs --precisions tf32 bf16 \
-        --budget-s 25 --config-cap-s 5 --skip-padding-taps --test-images 2000
-    # one bs-32 step of the replayed paths in tf32 and bf16: wall time against kernel time, the costliest
-    # kernels; the one-client step again in channels-last layout (a candidate: no layout transposes);
-    # each again with cuDNN's autotuner (candidates both: the engine leaves it off)
-    step "benchmarks/step_profile.py" 120 "$PY" benchmarks/step_profile.py --device cuda --precision tf32 bf16 \
-        --paths graphs vec-graphs --steps 10 --channels-last --cudnn-benchmark
+        --data-dir "$DATA_DIR" --cells bs32-tau2 --paths vec-graphs vec-graphs-gemm --precisions bf16 tf32 \
+        --budget-s 35 --config-cap-s 4 --skip-padding-taps --test-images 2000
+    # one bs-32 step of the replayed paths in bf16 and tf32: wall time against kernel time, kernels a step,
+    # the costliest kernels; each again with gemm-convs and with cuDNN's autotuner; the one-client step
+    # again in channels-last layout (candidates all: the engine leaves the last two off)
+    step "benchmarks/step_profile.py" 150 "$PY" benchmarks/step_profile.py --device cuda --precision bf16 tf32 \
+        --paths graphs vec-graphs --steps 10 --gemm-convs --channels-last --cudnn-benchmark --top 5
     # which float32 client-streams + cuda-graphs runs hang: streams, clients, a partial batch, determinism
     step "benchmarks/streams_graphs_hang.py" 240 "$PY" benchmarks/streams_graphs_hang.py --data-dir "$DATA_DIR" \
         --timeout-s 25

@@ -5,7 +5,8 @@ local training, sequential, vectorised (``vectorize``), sequential with each ful
 step replayed from a CUDA graph (``cuda-graphs``: path "graphs"), vectorised with each full
 cohort step replayed ("vec-graphs"), or sequential clients side by side on a CUDA stream each
 (``client-streams`` = K_c: "streams", and with each replica's step replayed: "streams-graphs"),
-then aggregation and the statistics; each line splits
+each also with the clients' convolutions as matrix products over patches (``gemm-convs``: the
+path's name with "-gemm", e.g. "vec-graphs-gemm"), then aggregation and the statistics; each line splits
 the round into the training and the server step after it; ``--residency both`` times each
 configuration with the replies' Δ_k reduced on the device and on the host, side by side)
 for the paper's cells bs 32 τ 2, bs 128 τ 1 and full batch τ 1, in each precision (float32,
@@ -76,6 +77,8 @@ PRECISIONS = ("float32", "tf32", "bf16")
 # (name, vectorize, cuda-graphs, client streams: one per client of the cohort)
 PATHS = (("sequential", False, False, False), ("vectorised", True, False, False), ("graphs", False, True, False),
          ("vec-graphs", True, True, False), ("streams", False, False, True), ("streams-graphs", False, True, True))
+GEMM = "-gemm"  # a path's name with this suffix: the same path with gemm-convs = true
+PATH_NAMES = tuple(name + suffix for suffix in ("", GEMM) for name, *_ in PATHS)
 # --residency: (name, ClientTask resident) pairs timed per configuration; None: as the engine does
 RESIDENCIES = {"engine": (("engine", None),), "device": (("device", True),), "host": (("host", False),),
                "both": (("device", True), ("host", False))}
@@ -113,8 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config-cap-s", type=float, default=0.0,
                         help="stop a configuration's timed rounds once it has run this long (0: none)")
     parser.add_argument("--cells", nargs="+", choices=[c[0] for c in CELLS], default=[c[0] for c in CELLS])
-    parser.add_argument("--paths", nargs="*", choices=[p[0] for p in PATHS], default=[p[0] for p in PATHS],
-                        help="the paths timed per cell and precision (none: only --grouped/--threaded/--concurrent)")
+    parser.add_argument("--paths", nargs="*", choices=PATH_NAMES, default=[p[0] for p in PATHS],
+                        help=f"the paths timed per cell and precision (none: only --grouped/--threaded/--concurrent); "
+                             f"a name ending in {GEMM}: the path with gemm-convs = true")
     parser.add_argument("--concurrent", nargs="*", type=int, default=[],
                         help="also time N processes at once (float32, --concurrent-path), for each N given")
     parser.add_argument("--threaded", nargs="*", type=int, default=[],
@@ -122,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "--concurrent-path), for each N given")
     parser.add_argument("--concurrent-cells", nargs="+", choices=[c[0] for c in CELLS], default=["bs32-tau2"],
                         help="the cells --concurrent and --threaded time (default: bs32-tau2, the launch-bound one)")
-    parser.add_argument("--concurrent-path", choices=[p[0] for p in PATHS], default="sequential",
+    parser.add_argument("--concurrent-path", choices=PATH_NAMES, default="sequential",
                         help="the path --concurrent and --threaded time (float32)")
     parser.add_argument("--grouped", nargs="*", type=int, default=[],
                         help="also time N runs trained together (fedmask-sweep --group-runs N; float32, "
@@ -208,11 +212,18 @@ def wait_at_barrier(folder: str, name: str, count: int, timeout_s: float = 120.0
         time.sleep(0.05)
 
 
+def path_settings(path: str) -> tuple[bool, bool, bool, bool]:
+    """vectorize, cuda-graphs, client streams and gemm-convs of a path of PATH_NAMES."""
+    gemm = path.endswith(GEMM)
+    _, vectorize, graphs, streams = next(p for p in PATHS if p[0] == path.removesuffix(GEMM))
+    return vectorize, graphs, streams, gemm
+
+
 def config_values(base: dict, precision: str, path: str, bs: int | str, tau: int) -> dict:
-    """Run-config values of one timed configuration: ``base`` with a precision, a path of PATHS and a cell."""
-    _, vectorize, graphs, streams = next(p for p in PATHS if p[0] == path)
+    """Run-config values of one timed configuration: ``base`` with a precision, a path of PATH_NAMES and a cell."""
+    vectorize, graphs, streams, gemm = path_settings(path)
     return {**base, "precision": precision, "vectorize": vectorize, "cuda-graphs": graphs,
-            "client-streams": base["clients-per-round"] if streams else 1, "batch-size": bs,
+            "client-streams": base["clients-per-round"] if streams else 1, "gemm-convs": gemm, "batch-size": bs,
             "local-epochs": tau}
 
 
@@ -379,6 +390,18 @@ def print_projection(results: dict, eval_seconds: dict, test_images: int) -> Non
         print(f"projection {precision:8s} evaluations: {every_round:.3f} h of each {precision} line above (one a "
               f"round, {seconds * eval_scale:.3f} s each); with eval-from = {ROUNDS - PAPER_WINDOW + 1} (only the "
               f"rounds the paper's medians read) {every_round * PAPER_WINDOW / ROUNDS:.3f} h")
+
+
+def print_gemm_ratios(results: dict) -> None:
+    """For every path timed both ways in this run: its seconds per round over the same path's with
+    gemm-convs, cell by cell (above 1: gemm-convs is faster)."""
+    for (precision, name), timings in results.items():
+        gemm = results.get((precision, name + GEMM), {})
+        for cell, bs, _ in CELLS:
+            if bs in timings and bs in gemm:
+                print(f"{precision:8s} {name:14s} {cell:10s}: seconds per round without / with gemm-convs = "
+                      f"{timings[bs].seconds / gemm[bs].seconds:.2f}x (training alone "
+                      f"{timings[bs].train_seconds / gemm[bs].train_seconds:.2f}x)", flush=True)
 
 
 def run_configuration(values: dict, shards: dict | None, args: argparse.Namespace, label: str,
@@ -652,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
               f"skip-padding-taps {args.skip_padding_taps}", flush=True)
         results: dict[tuple[str, str], dict] = {}
         eval_seconds: dict[str, float] = {}
+        width = max([14, *map(len, args.paths)])  # the labels' path column
         for precision in args.precisions:
             eval_cfg = run_config_from_values({**base, "precision": precision})
             eval_seconds[precision] = time_evaluation(eval_cfg, args.test_images)
@@ -665,16 +689,16 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.eval_together:
                 time_grouped_evaluation(eval_cfg, n, args.test_images)
             for path in args.paths:  # in the order given
-                _, _, graphs, streams = next(p for p in PATHS if p[0] == path)
+                _, graphs, streams, _ = path_settings(path)
                 if (graphs or streams) and device.type != "cuda":
-                    print(f"{precision:8s} {path:14s}: skipped (CUDA graphs and streams need a CUDA device)",
+                    print(f"{precision:8s} {path:{width}s}: skipped (CUDA graphs and streams need a CUDA device)",
                           flush=True)
                     continue
                 for cell, bs, tau in (c for c in CELLS if c[0] in args.cells):
                     measured = {}
                     for residency, resident in RESIDENCIES[args.residency]:
                         name = path if args.residency != "both" else f"{path}/{residency}"
-                        label = f"{precision:8s} {name:{14 if args.residency != 'both' else 21}s} {cell:10s}"
+                        label = f"{precision:8s} {name:{width if args.residency != 'both' else width + 7}s} {cell:10s}"
                         if args.budget_s and time.perf_counter() - started > args.budget_s:
                             print(f"{label}: skipped (past --budget-s {args.budget_s:g})", flush=True)
                             continue
@@ -684,8 +708,9 @@ def main(argv: list[str] | None = None) -> int:
                         if timing is not None:
                             results.setdefault((precision, name), {})[bs] = measured[residency] = timing
                     if len(measured) == 2:
-                        print(f"{precision:8s} {path:14s} {cell:10s}: host / device-resident seconds per round = "
+                        print(f"{precision:8s} {path:{width}s} {cell:10s}: host / device-resident seconds per round = "
                               f"{measured['host'].seconds / measured['device'].seconds:.2f}x", flush=True)
+        print_gemm_ratios(results)
         print_projection(results, eval_seconds, args.test_images)
         single = results.get(("float32", args.concurrent_path), {})
         single_rates = {c[0]: single[c[1]].images_per_s if c[1] in single else None for c in CELLS}

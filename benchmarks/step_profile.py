@@ -16,10 +16,14 @@ choice may differ from run to run). ``--channels-last`` measures the one-client 
 the model and the images in channels-last (NHWC) layout, a candidate and not an engine setting:
 cuDNN's tensor-core convolutions work in NHWC and transpose NCHW tensors to it (the float32
 vectorised step spent 7.2 of its 60.6 kernel milliseconds in such transposes on an H200), but
-GroupNorm's CUDA kernels may convert back. Synthetic CIFAR-shaped batches: the timing does not
+GroupNorm's CUDA kernels may convert back. ``--gemm-convs`` measures each path again with the
+model's convolutions as matrix products over patches (``gemm-convs = true``: under vmap one
+batched GEMM for all clients instead of a grouped convolution, which cuDNN ran group by group on
+an H200). Synthetic CIFAR-shaped batches: the timing does not
 depend on the pixels.
 
     python benchmarks/step_profile.py --device cuda --precision float32 tf32 --cudnn-benchmark
+    python benchmarks/step_profile.py --device cuda --precision bf16 --paths graphs vec-graphs --gemm-convs
     python benchmarks/step_profile.py --device cpu --steps 2 --clients 2   # a CPU check of the script
 """
 
@@ -60,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="each path again with cuDNN's autotuner on (the engine leaves it off), side by side")
     parser.add_argument("--channels-last", action="store_true",
                         help="the one-client paths (sequential, graphs) again with model and images channels-last")
+    parser.add_argument("--gemm-convs", action="store_true",
+                        help="each path again with gemm-convs = true (convolutions as matrix products), side by side")
     return parser.parse_args(argv)
 
 
@@ -154,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             layouts = [torch.contiguous_format]
             if args.channels_last and path in ("sequential", "graphs"):
                 layouts.append(torch.channels_last)
-            for autotune, layout in itertools.product((False, True) if args.cudnn_benchmark else (False,), layouts):
-                extras = ", cudnn.benchmark" if autotune else ""
+            for gemm, autotune, layout in itertools.product((False, True) if args.gemm_convs else (False,),
+                                                            (False, True) if args.cudnn_benchmark else (False,),
+                                                            layouts):
+                extras = ", gemm-convs" if gemm else ""
+                extras += ", cudnn.benchmark" if autotune else ""
                 extras += ", channels-last" if layout is torch.channels_last else ""
                 label = f"{precision:8s} {path:14s} ({device.type}{extras})"
                 if (path.endswith("graphs") or path.startswith("streams")) and device.type != "cuda":
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 torch.backends.cudnn.benchmark = autotune
                 try:
-                    model = build_model(args.model, args.skip_padding_taps).to(device, dtype)
+                    model = build_model(args.model, args.skip_padding_taps, gemm).to(device, dtype)
                     report = measure(step_function(path, model, training, args.clients, device, dtype, layout),
                                      args.steps, device, args.top)
                 except Exception as exc:  # report and go on: one failing path must not hide the others

@@ -4,9 +4,13 @@ The sequential path is ``clients.training.local_update`` for each of the K_c cli
 the bare loop trains them); the vectorised path is ``clients.vectorized.vectorized_local_updates``
 for the whole cohort. Both use the same model (ResNet-18/GN), θ, shards, batch orders and thread
 count. Cells: the paper's bs 32 τ 2, bs 128 τ 1 and full batch τ 1. One line per cell; the last
-line is the bs-32 speed-up (sequential seconds / vectorised seconds).
+line is the bs-32 speed-up (sequential seconds / vectorised seconds). ``--gemm-convs`` times a
+third path in the same alternation: the vectorised one over the model with ``gemm-convs = true``
+(convolutions as matrix products, which vmap batches into one GEMM for all clients), against the
+same sequential path; the last line then gives both speed-ups.
 
     python benchmarks/vectorized.py --samples 100 --clients 4
+    python benchmarks/vectorized.py --rounds 2 --cells bs32-tau2 --gemm-convs   # the paper's 10 × 500 images
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--channels-last", action="store_true", help="images in channels_last memory format")
     parser.add_argument("--skip-padding-taps", action="store_true",
                         help="both paths with skip-padding-taps = true (convolutions skip padding-only taps)")
+    parser.add_argument("--gemm-convs", action="store_true",
+                        help="also time the vectorised path with gemm-convs = true, side by side")
     parser.add_argument("--cells", nargs="+", choices=[c[0] for c in CELLS], default=[c[0] for c in CELLS])
     return parser.parse_args()
 
@@ -100,15 +106,19 @@ def timed(run: Callable[[], None], device: torch.device) -> tuple[float, float]:
     return time.perf_counter() - started, time.process_time() - cpu_started
 
 
-def time_cell(model, theta, shards, training: LocalTraining, args: argparse.Namespace, device) -> list[float]:
-    """Median seconds per round: [sequential wall, vectorised wall, sequential CPU, vectorised CPU].
-    The two paths alternate, so a drift of the machine's speed (other load) favours neither; the
-    CPU seconds (this process, all threads) are less sensitive to other processes' load."""
-    seq, vec = [], []
+def time_cell(models: list, theta, shards, training: LocalTraining, args: argparse.Namespace,
+              device) -> tuple[list[float], list[float]]:
+    """Median seconds per round, wall and process CPU: the sequential path over ``models[0]``,
+    then the vectorised path over each model. The paths alternate, so a drift of the machine's
+    speed (other load) favours none; the CPU seconds (this process, all threads) are less
+    sensitive to other processes' load."""
+    runs = [lambda: sequential_round(models[0], theta, shards, training)]
+    runs += [lambda m=m: vectorized_round(m, theta, shards, training, args.chunk_size) for m in models]
+    times: list[list[tuple[float, float]]] = [[] for _ in runs]
     for _ in range(args.rounds):
-        seq.append(timed(lambda: sequential_round(model, theta, shards, training), device))
-        vec.append(timed(lambda: vectorized_round(model, theta, shards, training, args.chunk_size), device))
-    return [statistics.median(t[i] for t in times) for i in (0, 1) for times in (seq, vec)]
+        for run, measured in zip(runs, times, strict=True):
+            measured.append(timed(run, device))
+    return ([statistics.median(t[0] for t in m) for m in times], [statistics.median(t[1] for t in m) for m in times])
 
 
 def warm_up(model, theta, shards, chunk_size: int | None) -> None:
@@ -123,24 +133,32 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    model = build_model(args.model, args.skip_padding_taps).to(device)
+    models = [build_model(args.model, args.skip_padding_taps, gemm).to(device)
+              for gemm in ((False, True) if args.gemm_convs else (False,))]
     theta = [p.to(device) for p in initial_parameters(args.model, 0)]
     shards, source = make_shards(args, device)
     print(f"# {args.model}, {source} data, K_c={args.clients}, n_k={args.samples}, device={device}, "
           f"threads={torch.get_num_threads()}, chunk_size={args.chunk_size}, channels_last={args.channels_last}, "
-          f"skip_padding_taps={args.skip_padding_taps}")
-    warm_up(model, theta, shards, args.chunk_size)
+          f"skip_padding_taps={args.skip_padding_taps}, gemm_convs={args.gemm_convs} (vectorised path)")
+    for model in models:
+        warm_up(model, theta, shards, args.chunk_size)
     ratios = {}
     for name, batch_size, epochs in CELLS:
         if name not in args.cells:
             continue
         training = LocalTraining(epochs=epochs, batch_size=batch_size, lr=0.01)
-        seq, vec, seq_cpu, vec_cpu = time_cell(model, theta, shards, training, args, device)
-        ratios[name] = seq / vec
-        print(f"{name}: sequential {seq:.2f} s/round, vectorised {vec:.2f} s/round, speed-up {seq / vec:.2f}x "
-              f"(CPU seconds {seq_cpu:.2f} vs {vec_cpu:.2f})", flush=True)
+        (seq, vec, *gemm), (seq_cpu, vec_cpu, *gemm_cpu) = time_cell(models, theta, shards, training, args, device)
+        ratios[name] = [seq / vec, *(seq / g for g in gemm)]
+        line = (f"{name}: sequential {seq:.2f} s/round, vectorised {vec:.2f} s/round, speed-up {seq / vec:.2f}x "
+                f"(CPU seconds {seq_cpu:.2f} vs {vec_cpu:.2f})")
+        if gemm:
+            line += (f"; vectorised with gemm-convs {gemm[0]:.2f} s/round, speed-up {seq / gemm[0]:.2f}x "
+                     f"(CPU seconds {gemm_cpu[0]:.2f})")
+        print(line, flush=True)
     if "bs32-tau2" in ratios:
-        print(f"bs32-tau2 speed-up (sequential/vectorised): {ratios['bs32-tau2']:.2f}")
+        speedups = ratios["bs32-tau2"]
+        print(f"bs32-tau2 speed-up (sequential/vectorised): {speedups[0]:.2f}"
+              + (f"; with gemm-convs: {speedups[1]:.2f}" if len(speedups) > 1 else ""))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The local engine on CUDA (skipped without a CUDA device): the identical-shards control, bitwise
-repetition (sequential, vectorised, CUDA graphs, client streams), CUDA graphs against the eager
-step, client streams against one client at a time, rounds reduced on the device against rounds
+repetition (sequential, vectorised, CUDA graphs, client streams, gemm-convs), CUDA graphs against
+the eager step, client streams against one client at a time, gemm-convs against cuDNN's
+convolutions, rounds reduced on the device against rounds
 reduced on the host, runs trained together (``--group-runs``) against each run alone, and how far
 CUDA's numbers lie from the CPU's (printed: a measurement, not a bound).
 
@@ -74,7 +75,8 @@ def run(out: Path, name: str, **values) -> tuple[pd.DataFrame, list[np.ndarray]]
 
 PATHS = {"sequential": {}, "vectorised": {"vectorize": True}, "graphs": {"cuda-graphs": True},
          "vectorised-graphs": {"vectorize": True, "cuda-graphs": True}, "live-taps": {"skip-padding-taps": True},
-         "streams": {"client-streams": 3}, "streams-graphs": {"client-streams": 3, "cuda-graphs": True}}
+         "streams": {"client-streams": 3}, "streams-graphs": {"client-streams": 3, "cuda-graphs": True},
+         "vectorised-graphs-gemm": {"vectorize": True, "cuda-graphs": True, "gemm-convs": True}}
 
 
 def test_identical_shards_control_gives_the_ceiling_on_cuda(tmp_path: Path) -> None:
@@ -86,14 +88,16 @@ def test_identical_shards_control_gives_the_ceiling_on_cuda(tmp_path: Path) -> N
 
 def test_cuda_graphs_replay_the_eager_step(tmp_path: Path) -> None:
     """cuda-graphs = true replays the eager path's kernels, sequential or vectorised (with momentum
-    too: its buffers live in the graph and start at zero each round): the same rows and θ. Prints
-    how far they lie apart (0 when bitwise equal); asserts round 1 within 1e-5 relative."""
-    for path, vectorize, precisions, momentum in (("sequential", False, ("float32", "bf16"), 0.0),
-                                                  ("vectorised", True, ("float32", "bf16"), 0.0),
-                                                  ("vectorised-momentum", True, ("float32",), 0.9)):
+    too: its buffers live in the graph and start at zero each round; with gemm-convs too): the same
+    rows and θ. Prints how far they lie apart (0 when bitwise equal); asserts round 1 within 1e-5
+    relative."""
+    for path, values, precisions in (("sequential", {}, ("float32", "bf16")),
+                                     ("vectorised", {"vectorize": True}, ("float32", "bf16")),
+                                     ("vectorised-momentum", {"vectorize": True, "momentum": 0.9}, ("float32",)),
+                                     ("vectorised-gemm", {"vectorize": True, "gemm-convs": True}, ("float32", "bf16"))):
         for precision in precisions:
             common = {"num-rounds": 3, "precision": precision, "max-shard-size": 80,  # 2 full batches + 16
-                      "vectorize": vectorize, "momentum": momentum}
+                      **values}
             (eager, theta_e), (graphed, theta_g) = (
                 run(tmp_path, f"graphs{int(g)}-{path}-{precision}", **common, **{"cuda-graphs": g})
                 for g in (False, True)
@@ -138,6 +142,20 @@ def test_device_resident_rounds_are_the_host_rounds(tmp_path: Path) -> None:
             finally:
                 local.resident_on = RESIDENT_ON
         compare_runs(f"{path}: device-resident vs host rounds", runs[1], runs[0], 1e-6)
+
+
+def test_gemm_convs_give_cudnns_rows(tmp_path: Path) -> None:
+    """gemm-convs (convolutions as matrix products) against cuDNN's convolutions, float32, one client
+    at a time and vectorised: the same function summed in another order (equal within 1e-10 in
+    float64: tests/test_gemm_convs.py, tests/test_vectorized.py). Prints how far the rows and θ lie
+    apart over 3 rounds; asserts round 1 within 1e-2, a bound against a wrong computation, not
+    float32 noise: these small runs amplify rounding (on the 2-core CPU, 2 rounds, 1/dS moved
+    1.2e-3 with gemm-convs and 3.5e-4 with oneDNN off, another convolution algorithm)."""
+    for path, values in (("sequential", {}), ("vectorised", {"vectorize": True})):
+        common = {"num-rounds": 3, "max-shard-size": 80, **values}
+        (cudnn, theta_c), (gemm, theta_g) = (run(tmp_path, f"gemm{int(g)}-{path}", **common, **{"gemm-convs": g})
+                                             for g in (False, True))
+        compare_runs(f"{path}: gemm-convs vs cuDNN's convolutions", (cudnn, theta_c), (gemm, theta_g), 1e-2)
 
 
 def run_together(out: Path, names: list[str], chunk_clients: int | None = None, **values
@@ -239,6 +257,7 @@ TESTS: tuple[Callable[[Path], None], ...] = (
     test_cuda_graphs_replay_the_eager_step,
     test_client_streams_give_the_sequential_rows,
     test_device_resident_rounds_are_the_host_rounds,
+    test_gemm_convs_give_cudnns_rows,
     test_runs_trained_together_on_cuda,
     test_cuda_and_cpu_rows_differ_by,
 )

@@ -97,6 +97,9 @@ def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
     assert "streams-graphs: skipped (CUDA graphs and streams need a CUDA device)" in out
     assert "streams 10, K_c 10, shard 500, float32 default: finished in" in out
     assert "float32  sequential     (cpu, channels-last): wall" in out
+    assert "float32  vectorised     (cpu, gemm-convs, cudnn.benchmark): wall" in out
+    assert "float32  vectorised     bs32-tau2 : seconds per round without / with gemm-convs = " in out
+    assert "projection bf16     vectorised-gemm      : grid 1 " in out
     assert done.stdout.rstrip().endswith("=== gpu_check: all steps passed")
 
 

@@ -101,19 +101,22 @@ def test_cuda_graph_cohort_step_needs_cuda():
         CudaGraphCohortStep(_small_model(), LocalTraining(epochs=1, batch_size=4, lr=0.1))
 
 
-@pytest.mark.parametrize("skip_padding_taps", [False, True], ids=["all-taps", "live-taps"])
-def test_float64_resnet18_matches_sequential(skip_padding_taps):
+@pytest.mark.parametrize(("skip_padding_taps", "gemm_convs"), [(False, False), (True, False), (False, True),
+                                                              (True, True)],
+                         ids=["all-taps", "live-taps", "gemm-convs", "live-taps-gemm-convs"])
+def test_float64_resnet18_matches_sequential(skip_padding_taps, gemm_convs):
     """The real model: unequal shards, partial last batches, and a step only two clients take.
-    With skip-padding-taps, both paths over the live-tap model equal the plain sequential path."""
+    With skip-padding-taps and/or gemm-convs, both paths over that model equal the plain
+    sequential path."""
     model = build_model("resnet18-gn").double()
     theta = [p.double() for p in initial_parameters("resnet18-gn", 0)]
     shards = _shards(SIZES, torch.float64)
     training = LocalTraining(epochs=1, batch_size=4, lr=0.01)
     seq = _sequential(model, theta, shards, training)
-    candidate = build_model("resnet18-gn", skip_padding_taps).double()
+    candidate = build_model("resnet18-gn", skip_padding_taps, gemm_convs).double()
     vec = vectorized_local_updates(candidate, theta, shards, training, _generators(len(shards)))
     _assert_equal_results(vec, seq, 1e-10)
-    if skip_padding_taps:
+    if skip_padding_taps or gemm_convs:
         _assert_equal_results(_sequential(candidate, theta, shards, training), seq, 1e-10)
 
 
@@ -132,13 +135,15 @@ def test_float64_fedavg_cnn_matches_sequential():
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
-@pytest.mark.parametrize("path", ["vectorised", "live-taps", "vectorised-live-taps"])
+@pytest.mark.parametrize("path", ["vectorised", "live-taps", "vectorised-live-taps", "gemm-convs",
+                                  "vectorised-gemm-convs"])
 def test_float32_resnet18_within_ten_times_the_sequential_noise_floor(path):
     """The sequential path's own float32 noise: the same computation with 1 vs 2 threads and with
     oneDNN off (another convolution algorithm). A ReLU gate sitting at ~1 ulp can flip under any
     change of accumulation order and move one client's Δ_k by up to ~1e-2, so the typical
     (median) client is compared; every client must still be far from an O(1) disagreement.
-    live-taps: the sequential path over the model with skip-padding-taps."""
+    live-taps: the sequential path over the model with skip-padding-taps; gemm-convs: with its
+    convolutions as matrix products over patches."""
     model = build_model("resnet18-gn")
     theta = initial_parameters("resnet18-gn", 0)
     shards = _shards((16, 16, 16, 16), torch.float32, seed=2)
@@ -152,8 +157,8 @@ def test_float32_resnet18_within_ten_times_the_sequential_noise_floor(path):
         torch.set_num_threads(threads)
     with torch.backends.mkldnn.flags(enabled=False):
         other_algorithm = _sequential(model, theta, shards, training)
-    candidate = build_model("resnet18-gn", skip_padding_taps=path != "vectorised")
-    if path == "live-taps":
+    candidate = build_model("resnet18-gn", skip_padding_taps="live-taps" in path, gemm_convs="gemm" in path)
+    if not path.startswith("vectorised"):
         vec = _sequential(candidate, theta, shards, training)
     else:
         vec = vectorized_local_updates(candidate, theta, shards, training, _generators(len(shards)))

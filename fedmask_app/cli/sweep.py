@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--group-runs", type=int, default=1, metavar="N",
                         help="local engine, vectorize=true: train up to N runs together, their cohorts as one "
                              "batched computation (runs with equal model, batch-size, local-epochs, lr, precision, "
-                             "device, threads, cuda-graphs and skip-padding-taps); default 1: one run at a time. With "
+                             "device, threads, cuda-graphs, skip-padding-taps and gemm-convs); default 1: one run at a "
+                             "time. With "
                              "--ray-address each group is one Ray task")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
     parser.add_argument("--verbose", action="store_true",

@@ -38,7 +38,7 @@ from strategies.aggregate import ClientReply
 GROUPED_ENGINE = "local-grouped"
 # what a client's local step depends on besides its shard, its batch order and θ
 TRAINING_KEYS = ("model", "skip-padding-taps", "local-epochs", "batch-size", "lr", "momentum", "weight-decay",
-                 "augment", "precision", "device", "threads", "cuda-graphs")
+                 "augment", "precision", "device", "threads", "cuda-graphs", "gemm-convs")
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")

@@ -71,7 +71,7 @@ class ClientTask:
         self.cache_shards = cache_shards
         self.resident = resident
         self.device, self.dtype = compute_setup(cfg)
-        self.model = build_model(cfg.model, cfg.skip_padding_taps).to(self.device, self.dtype)
+        self.model = build_model(cfg.model, cfg.skip_padding_taps, cfg.gemm_convs).to(self.device, self.dtype)
         self.num_blocks = len(list(self.model.parameters()))
         self._given_shards = shard_arrays  # deployment: a device's own shard file
         self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

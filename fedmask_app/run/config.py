@@ -86,6 +86,7 @@ class RunConfig:
     vectorize: bool
     cuda_graphs: bool
     skip_padding_taps: bool
+    gemm_convs: bool
     min_clients: int
     round_timeout: float
     checkpoint_every: int

@@ -49,7 +49,7 @@ class LiveTapConv2d(nn.Conv2d):
         r0, r1 = live_taps(height, kh, self.stride[0], ph)
         c0, c1 = live_taps(width, kw, self.stride[1], pw)
         if (r0, r1, c0, c1) == (0, kh, 0, kw):
-            return super().forward(x)
+            return self._convolve(x, self.weight, self.padding)
         padding = (ph - r0, pw - c0)
         if padding == (0, 0) and (r1 - r0, c1 - c0) == (height, width) and self.groups == 1:
             # one output position, and its taps cover the input: a matrix product (one tap: its
@@ -57,7 +57,9 @@ class LiveTapConv2d(nn.Conv2d):
             weight = (self.weight.flatten(2).select(2, r0 * kw + c0) if (height, width) == (1, 1)
                       else self.weight[:, :, r0:r1, c0:c1].flatten(1))
             return F.linear(x.flatten(-3), weight, self.bias)[..., None, None]
-        weight = self.weight[:, :, r0:r1, c0:c1]
+        return self._convolve(x, self.weight[:, :, r0:r1, c0:c1], padding)
+
+    def _convolve(self, x: torch.Tensor, weight: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
         return F.conv2d(x, weight, self.bias, self.stride, padding, 1, self.groups)
 
 

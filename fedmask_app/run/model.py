@@ -13,6 +13,7 @@ import torchvision
 from torch import nn
 
 from clients.seeds import INIT, derive_seed
+from fedmask_app.run.gemm_convs import use_gemm_convs
 from fedmask_app.run.live_taps import use_live_taps
 
 MODELS = ("resnet18-gn", "resnet18-gn-cifar", "cnn-fedavg", "linear-softmax")
@@ -39,15 +40,17 @@ def fedavg_cnn() -> nn.Sequential:
 _GLOBAL_GENERATOR = threading.Lock()
 
 
-def build_model(name: str, skip_padding_taps: bool = False) -> nn.Module:
+def build_model(name: str, skip_padding_taps: bool = False, gemm_convs: bool = False) -> nn.Module:
     """``resnet18-gn``: torchvision's stem (7×7/2 conv + max-pool); ``resnet18-gn-cifar``: 3×3/1
     conv and no max-pool, the usual CIFAR stem (about 15× costlier on a CPU); ``cnn-fedavg``:
     ``fedavg_cnn``; ``linear-softmax``: flatten the 3×32×32 image, then one ``nn.Linear(3072, 10)``
     (weight and bias: 2 blocks), for fast smoke runs. ``skip_padding_taps``: convolutions skip the
     kernel taps that only read zero padding (fedmask_app/run/live_taps.py): the same function and
-    parameters, float rounding aside."""
+    parameters, float rounding aside. ``gemm_convs``: convolutions computed as one matrix product
+    over image patches (fedmask_app/run/gemm_convs.py), the same function and parameters too."""
     with _GLOBAL_GENERATOR:
-        return _architecture(name, skip_padding_taps)
+        model = _architecture(name, skip_padding_taps)
+    return use_gemm_convs(model) if gemm_convs else model
 
 
 def _architecture(name: str, skip_padding_taps: bool) -> nn.Module:
