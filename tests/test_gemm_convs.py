@@ -1,4 +1,5 @@
-"""gemm-convs: a convolution computed as one matrix product over image patches is the convolution."""
+"""gemm-convs: a convolution computed as one matrix product over image patches is the convolution;
+so is every model built with gemm-convs and/or skip-padding-taps."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from fedmask_app.run.gemm_convs import GemmConv2d, LiveTapGemmConv2d, conv2d_as_gemm, use_gemm_convs
+from fedmask_app.run.live_taps import LiveTapConv2d
 from fedmask_app.run.model import build_model
 
 
@@ -37,6 +39,23 @@ def test_conv2d_as_gemm_is_the_convolution(in_ch, out_ch, kernel, stride, paddin
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
 
 
+def test_under_bf16_autocast_it_is_the_convolution_in_bf16():
+    """Under autocast (precision = "bf16"), the output is bf16 like F.conv2d's and as close to the
+    float32 convolution, and it equals patches and weights cast to bf16 before their product."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 6, 6, generator=gen)
+    w = torch.randn(6, 8, 3, 3, generator=gen) / 8
+    exact = F.conv2d(x.double(), w.double(), None, 1, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        conv, gemm = F.conv2d(x, w, None, 1, 1), conv2d_as_gemm(x, w, None, (1, 1), (1, 1))
+    assert gemm.dtype == conv.dtype == torch.bfloat16
+    cast = conv2d_as_gemm(x.bfloat16(), w.bfloat16(), None, (1, 1), (1, 1))
+    assert torch.equal(gemm, cast)
+    scale = exact.abs().max()
+    assert (gemm.double() - exact).abs().max() / scale < 2e-2
+    assert (gemm.double() - exact).abs().max() <= 2 * (conv.double() - exact).abs().max() + 1e-3 * scale
+
+
 def test_only_plain_convolutions_are_swapped():
     """Ungrouped, undilated, zero-padded convolutions become GemmConv2d; others keep their forward."""
     model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1, groups=2),
@@ -47,22 +66,24 @@ def test_only_plain_convolutions_are_swapped():
 
 
 @pytest.mark.parametrize("name", ["resnet18-gn", "resnet18-gn-cifar", "cnn-fedavg"])
-@pytest.mark.parametrize("skip_padding_taps", [False, True], ids=["all-taps", "live-taps"])
-def test_models_with_gemm_convs_are_the_same_model(name, skip_padding_taps):
-    """Same parameters (names, order, values) and, in float64, the same loss and gradients."""
+@pytest.mark.parametrize(("skip_padding_taps", "gemm_convs", "swapped"), [
+    (True, False, LiveTapConv2d), (False, True, GemmConv2d), (True, True, LiveTapGemmConv2d),
+], ids=["live-taps", "gemm-convs", "live-taps-gemm-convs"])
+def test_every_way_of_computing_the_convolutions_is_the_same_model(name, skip_padding_taps, gemm_convs, swapped):
+    """skip-padding-taps, gemm-convs and both: every convolution swapped, the same parameters
+    (names, order, values) and, in float64, the same loss and gradients as the plain model."""
     torch.manual_seed(3)
     plain = build_model(name).double()
     torch.manual_seed(3)
-    gemm = build_model(name, skip_padding_taps, gemm_convs=True).double()
-    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in gemm.named_parameters()]
-    swapped = LiveTapGemmConv2d if skip_padding_taps else GemmConv2d
-    assert sum(type(m) is swapped for m in gemm.modules()) == sum(isinstance(m, nn.Conv2d) for m in plain.modules())
+    other = build_model(name, skip_padding_taps, gemm_convs).double()
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in other.named_parameters()]
+    assert sum(type(m) is swapped for m in other.modules()) == sum(isinstance(m, nn.Conv2d) for m in plain.modules())
     x, y = torch.randn(4, 3, 32, 32, dtype=torch.float64), torch.tensor([0, 3, 5, 9])
-    losses = [F.cross_entropy(m(x), y) for m in (plain, gemm)]
+    losses = [F.cross_entropy(m(x), y) for m in (plain, other)]
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
-    for p, q in zip(plain.parameters(), gemm.parameters(), strict=True):
+    for p, q in zip(plain.parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-14)
 
 

@@ -1,4 +1,5 @@
-"""skip-padding-taps: convolutions restricted to their live taps compute the full convolution."""
+"""skip-padding-taps: convolutions restricted to their live taps compute the full convolution (the
+whole model: tests/test_gemm_convs.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedmask_app.run.live_taps import LiveTapConv2d, live_taps, use_live_taps
-from fedmask_app.run.model import build_model
 
 
 @pytest.mark.parametrize(("size", "kernel", "stride", "padding", "expected"), [
@@ -72,20 +72,3 @@ def test_a_one_pixel_map_takes_no_convolution(monkeypatch):
     monkeypatch.setattr(nn.Conv2d, "_conv_forward", refuse)
     monkeypatch.setattr(F, "conv2d", refuse)
     live(torch.randn(2, 8, 1, 1, dtype=torch.float64))
-
-
-def test_resnet18_with_live_taps_is_the_same_model():
-    """Same parameters (names, order, values) and, in float64, the same loss and gradients."""
-    torch.manual_seed(3)
-    plain = build_model("resnet18-gn").double()
-    torch.manual_seed(3)
-    live = build_model("resnet18-gn", skip_padding_taps=True).double()
-    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in live.named_parameters()]
-    assert sum(isinstance(m, LiveTapConv2d) for m in live.modules()) == 20
-    x, y = torch.randn(4, 3, 32, 32, dtype=torch.float64), torch.tensor([0, 3, 5, 9])
-    losses = [F.cross_entropy(m(x), y) for m in (plain, live)]
-    for loss in losses:
-        loss.backward()
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
-    for p, q in zip(plain.parameters(), live.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-14)

@@ -29,6 +29,10 @@ def conv2d_as_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out_channels, _, kh, kw = weight.shape
     (sh, sw), (ph, pw) = stride, padding
     oh, ow = output_size(height, kh, sh, ph), output_size(width, kw, sw, pw)
+    if torch.is_autocast_enabled(x.device.type):
+        # F.linear would cast the patches to autocast's dtype; casting the input first gives the
+        # same values and gathers a copy half the size (the patches are up to kh·kw times the input)
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     if ph or pw:
         x = F.pad(x, (pw, pw, ph, ph))
     patches = x.unfold(2, kh, sh).unfold(3, kw, sw)  # (N, C, H_out, W_out, kh, kw), a view
