@@ -121,7 +121,7 @@ else
     # makes them one batched GEMM
     step "benchmarks/gpu_timing.py gemm-convs" 200 "$PY" benchmarks/gpu_timing.py --device cuda \
         --data-dir "$DATA_DIR" --paths vec-graphs vec-graphs-gemm --precisions bf16 tf32 float32 \
-        --budget-s 150 --config-cap-s 4
+        --budget-s 150 --config-cap-s 3
     # skip-padding-taps on the launch-bound cell, both ways (compare with the lines above)
     step "benchmarks/gpu_timing.py --skip-padding-taps" 60 "$PY" benchmarks/gpu_timing.py --device cuda \
         --data-dir "$DATA_DIR" --cells bs32-tau2 --paths vec-graphs vec-graphs-gemm --precisions bf16 tf32 \
