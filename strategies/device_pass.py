@@ -1,11 +1,13 @@
 """The cohort pass (strategies/cohort_pass.py) for updates that are torch tensors on a device.
 
 When the local engine trains on a GPU, the clients' Δ_k stay there, sparing each round ten
-model-sized copies to the host and the numpy pass over them. Here each block's updates are
-stacked into one (K_c, size) float64 tensor and the same sums are taken with a few reductions;
-θ − step stays on the device too (the next round, the evaluation and the measurements read it
-there), and only the scalars cross to the host. The sums are the numpy pass's up to float64
-summation order (tests/test_device_pass.py runs both).
+model-sized copies to the host and the numpy pass over them. Here the cohort's updates become one
+(K_c, P) float64 matrix, every block's values side by side in a row, and the sums are a few
+reductions over it; θ − step stays on the device too (the next round, the evaluation and the
+measurements read it there), and only the scalars cross to the host, once. (Block by block, the
+pass launched hundreds of small kernels a round and waited for the device at every block whose
+coefficients it copied over.) The sums are the numpy pass's up to float64 summation order
+(tests/test_device_pass.py runs both).
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ def _flat64(block, device: torch.device) -> torch.Tensor:
     return as_tensor(block).reshape(-1).to(device, torch.float64)
 
 
+def _stack_rows(updates: Sequence[Sequence], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The updates as one (K_c, P) float64 matrix on ``device`` (client k's blocks, flattened, one
+    after another in row k) and the blocks' sizes."""
+    sizes = []
+    for b in range(len(updates[0])):
+        block_sizes = {int(np.prod(u[b].shape)) for u in updates}
+        if len(block_sizes) > 1:
+            raise ValueError(f"block {b} has different sizes across updates")
+        sizes.append(block_sizes.pop())
+    rows = [torch.cat([as_tensor(block).reshape(-1).to(device) for block in update]) for update in updates]
+    return torch.stack(rows).to(torch.float64), sizes
+
+
 @torch.no_grad()
 def reduce_on_device(
     updates: Sequence[Sequence], weights: Sequence[float], step: ServerStep | None, device: torch.device
@@ -55,41 +70,38 @@ def reduce_on_device(
     Blocks that are numpy arrays (a client whose update was corrupted on the host) are moved to
     ``device``; inputs are validated by ``reduce_cohort``.
     """
+    stacked, sizes = _stack_rows(updates, device)  # (K_c, P)
     w = torch.tensor(weights, dtype=torch.float64, device=device)
-    sq_norms = torch.zeros(len(updates), dtype=torch.float64, device=device)
-    sq_norm_of_sum = torch.zeros((), dtype=torch.float64, device=device)
-    sq_norm_of_weighted_sum = torch.zeros((), dtype=torch.float64, device=device)
-    new_params: list[torch.Tensor] | None = None if step is None else []
-    for b in range(len(updates[0])):
-        if len({int(np.prod(u[b].shape)) for u in updates}) > 1:
-            raise ValueError(f"block {b} has different sizes across updates")
-        stacked = torch.stack([_flat64(u[b], device) for u in updates])  # (K_c, size)
-        total = stacked.sum(0)
-        weighted_total = w @ stacked
-        sq_norms += (stacked * stacked).sum(1)
-        sq_norm_of_sum += total @ total
-        sq_norm_of_weighted_sum += weighted_total @ weighted_total
-        if step is not None:
-            new_params.append(_server_step_block(step, b, stacked, total, weighted_total, w))
-    sums = DeviceSums(sq_norms.tolist(), float(sq_norm_of_sum), float(sq_norm_of_weighted_sum))
-    return sums, new_params
+    total = stacked.sum(0)
+    weighted_total = w @ stacked
+    scalars = torch.cat([(stacked * stacked).sum(1), (total @ total)[None], (weighted_total @ weighted_total)[None]])
+    new_params = None if step is None else _server_step(step, stacked, sizes, total, weighted_total, w)
+    *sq_norms, sq_norm_of_sum, sq_norm_of_weighted_sum = scalars.tolist()  # the one wait for the device
+    return DeviceSums(sq_norms, sq_norm_of_sum, sq_norm_of_weighted_sum), new_params
 
 
-def _server_step_block(step: ServerStep, b: int, stacked: torch.Tensor, total: torch.Tensor,
-                       weighted_total: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """θ^(b) − step^(b) in float64, rounded once to θ's dtype, on the updates' device (ServerStep
-    says what the step is)."""
-    theta = as_tensor(step.params[b])
-    if theta.numel() != stacked.shape[1]:
-        raise ValueError(f"block {b}: θ has {theta.numel()} values, updates have {stacked.shape[1]}")
-    if step.block_coefs is not None:
-        coefs = torch.tensor([c[b] for c in step.block_coefs], dtype=torch.float64, device=stacked.device)
-        if step.coordinate_masks is not None:
-            masks = step.coordinate_masks.for_tensor(b, stacked.shape[1])
-            stacked = stacked * torch.as_tensor(np.stack(masks)).to(stacked.device)
-        delta = coefs @ stacked
-    elif step.weighted:
-        delta = weighted_total / w.sum()
+def _server_step(step: ServerStep, stacked: torch.Tensor, sizes: list[int], total: torch.Tensor,
+                 weighted_total: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    """θ − step block by block, each in float64 and rounded once to its block's dtype, on the
+    updates' device (ServerStep says what the step is)."""
+    if len(step.params) != len(sizes):
+        raise ValueError(f"θ has {len(step.params)} blocks, the updates {len(sizes)}")
+    if step.block_coefs is None:
+        delta = weighted_total / w.sum() if step.weighted else total / stacked.shape[0]
     else:
-        delta = total / stacked.shape[0]
-    return (_flat64(theta, stacked.device) - delta).to(theta.dtype).reshape(theta.shape)
+        coefs = torch.tensor(step.block_coefs, dtype=torch.float64, device=stacked.device)  # (K_c, blocks)
+    new_params, offset = [], 0
+    for b, (theta, size) in enumerate(zip(map(as_tensor, step.params), sizes, strict=True)):
+        if theta.numel() != size:
+            raise ValueError(f"block {b}: θ has {theta.numel()} values, updates have {size}")
+        if step.block_coefs is None:
+            block_delta = delta[offset : offset + size]
+        else:
+            block = stacked[:, offset : offset + size]
+            if step.coordinate_masks is not None:
+                masks = step.coordinate_masks.for_tensor(b, size)
+                block = block * torch.as_tensor(np.stack(masks)).to(block.device)
+            block_delta = coefs[:, b] @ block
+        new_params.append((_flat64(theta, stacked.device) - block_delta).to(theta.dtype).reshape(theta.shape))
+        offset += size
+    return new_params
