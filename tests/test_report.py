@@ -322,7 +322,8 @@ def test_protocol_note_names_every_deviation(tmp_path):
 def test_older_runs_share_a_cell_with_runs_that_spell_out_the_new_keys(tmp_path):
     write_run(tmp_path, "old", {"seed": 0, "bf16": False}, rows([1] * 6), drop=("mask-mode",))
     write_run(tmp_path, "new", {"seed": 1, "precision": "float32", "server-step": "fedavg", "fedexp-epsilon": 0.001,
-                                "keep-prob-schedule": "fixed", "vectorize": True}, rows([3] * 6))
+                                "keep-prob-schedule": "fixed", "vectorize": True,
+                                "gemm-convs": True}, rows([3] * 6))
     write_run(tmp_path, "bf16", {"seed": 0, "bf16": True}, rows([5] * 6))
     cells = report.cell_summary(report.run_summary(report.load_runs([tmp_path]), window=4)).set_index("precision")
     assert cells.loc["float32", "n_seeds"] == 2 and cells.loc["float32", "recovery"] == pytest.approx(2.0)

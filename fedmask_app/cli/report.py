@@ -11,7 +11,9 @@ bs = full, else tau * ceil(n_k / bs); T_min-T_max its range over the window's cl
 run's shards.csv). Curvature and flatness measurements: their median over the window rounds that
 have them.
 
-Writes into --out: summary.csv (one row per cell) and fig1.png; curvature.png and
+Writes into --out: summary.csv (one row per cell) and fig1.png; curvature_pooled.csv when any run
+has Q sums or penalties in its window (per cell, ρ_H, ρ_direct and the expansion's check pooled
+over the window's measured rounds, with 95% intervals from resampling them); curvature.png and
 curvature_rounds.png (the measurements round by round) when any run has ρ_H values; comparison.csv
 and comparison.png when the runs differ in mask-mode, server-step or mask-granularity;
 at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with --at-accuracy.
@@ -115,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     written = [out / "summary.csv", out / "fig1.png"]
     cells.drop(columns=["cell_id"], errors="ignore").to_csv(written[0], index=False)
     report.fig1(cells, written[1])
+    pooled = report.pooled_cells(rounds, runs)
+    if len(pooled):
+        print(f"\ncurvature pooled over each cell's window ({report.POOLED_NOTE}):")
+        print(report.format_pooled(pooled))
+        written.append(out / "curvature_pooled.csv")
+        pooled.to_csv(written[-1], index=False)
     if report.has_curvature(rounds):
         written += [out / "curvature.png", out / "curvature_rounds.png"]
         report.curvature_figure(cells, written[-2])

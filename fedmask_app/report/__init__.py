@@ -20,6 +20,7 @@ from fedmask_app.report.curvature import (
     measurement_columns,
 )
 from fedmask_app.report.figures import decomposition_curve, fig1
+from fedmask_app.report.pooled import POOLED_NOTE, POOLED_RATIOS, format_pooled, pooled_cells, pooled_ratio
 from fedmask_app.report.protocol import protocol_deviations, protocol_note
 from fedmask_app.report.reference import join_reference, read_reference, unmatched_reference
 from fedmask_app.report.runs import (
@@ -63,12 +64,13 @@ from fedmask_app.report.tables import (
 
 __all__ = [
     "AT_ACCURACY_COLUMNS", "CELL_AT_ACCURACY_COLUMNS", "CONFIG_DEFAULTS", "KEYS", "MEASURES", "METRICS",
-    "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW", "RECOVERY_METRICS", "REPORTED", "ROUND_COLUMNS",
-    "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "SummaryError", "at_accuracy",
-    "cell_at_accuracy", "cell_labels", "cell_rounds", "cell_summary", "check_levels", "compares_training",
-    "comparison_figure", "comparison_table", "config_keys", "curvature_figure", "curvature_rounds_figure",
-    "decomposition_curve", "fig1", "find_run_dirs", "format_comparison", "format_table", "has_curvature",
-    "incomplete_runs", "join_reference", "load_runs", "local_steps", "measured_rounds", "measurement_columns",
-    "protocol_deviations", "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure",
-    "run_summary", "table_columns", "table_note", "unmatched_reference", "varying_keys", "windowed_medians",
+    "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW", "POOLED_NOTE", "POOLED_RATIOS", "RECOVERY_METRICS", "REPORTED",
+    "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "SummaryError",
+    "at_accuracy", "cell_at_accuracy", "cell_labels", "cell_rounds", "cell_summary", "check_levels",
+    "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_figure",
+    "curvature_rounds_figure", "decomposition_curve", "fig1", "find_run_dirs", "format_comparison", "format_pooled",
+    "format_table", "has_curvature", "incomplete_runs", "join_reference", "load_runs", "local_steps",
+    "measured_rounds", "measurement_columns", "pooled_cells", "pooled_ratio", "protocol_deviations",
+    "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure", "run_summary", "table_columns",
+    "table_note", "unmatched_reference", "varying_keys", "windowed_medians",
 ]

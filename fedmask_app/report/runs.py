@@ -38,7 +38,8 @@ META_COLUMNS = ("run", "run_name", "bs", "tau", "K_c", "engine", "shard_min", "s
 NOT_CELL_KEYS = frozenset({
     "seed", "run-name", "output-dir", "resume", "data-dir", "device", "threads", "client-processes", "client-streams",
     "checkpoint-every", "eval-batch-size", "eval-every", "eval-from", "round-timeout", "min-clients",
-    "fast-simulation", "vectorize", "cuda-graphs", "skip-padding-taps", "curvature-every", "flatness-every",
+    "fast-simulation", "vectorize", "cuda-graphs", "skip-padding-taps", "gemm-convs", "curvature-every",
+    "flatness-every",
 })
 # Values of run-config keys that older runs lack: what such a run did (each key came with a default
 # that keeps the earlier behaviour), so that old and new runs of one configuration share a cell.

@@ -1,0 +1,121 @@
+"""The curvature measurements' ratios pooled over a cell's window, with resampling intervals.
+
+One round's ρ_H is noisy: at full batch its denominator Σ_k w_k² Q(Δ_k) is often within 2 standard
+errors of 0, and such a round's ratio is flagged and left out of the window medians
+(report/curvature.py), a selection that leans high. Pooling reads every measured round instead: a
+ratio is the sum of its numerator over the sum of its denominator across the window's measured full
+rounds (num_clients = K_c) of every run in the cell, its seeds together, with a 95% interval from
+resampling those rounds with replacement (RESAMPLES times, a generator seeded with ``seed`` anew
+for each cell and ratio, so a cell's numbers do not depend on which other runs are read with it).
+
+POOLED_RATIOS, numerator over denominator:
+* rho_h = Σ Q(Δ̄) / Σ Σ_k w_k² Q(Δ_k), the Hessian-weighted recovery factor;
+* rho_direct = Σ P_sync / Σ P_ind, the directly measured penalties' ratio;
+* expansion_sync, expansion_ind = Σ measured / Σ second-order predicted penalty (1: the expansion
+  holds).
+Beside them the median 1/ΔS_w over the same rounds, the Euclidean factor they are read against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from fedmask_app.report.runs import bs_order, full_rounds
+
+POOLED_RATIOS = {
+    "rho_h": ("q_mean", "q_clients"),
+    "rho_direct": ("penalty_sync", "penalty_ind"),
+    "expansion_sync": ("penalty_sync", "penalty_sync_pred"),
+    "expansion_ind": ("penalty_ind", "penalty_ind_pred"),
+}
+RESAMPLES = 2000
+LEVEL = 0.95
+POOLED_NOTE = (f"numerator and denominator each summed over the window's measured full rounds, seeds together; "
+               f"{LEVEL:.0%} interval from resampling those rounds {RESAMPLES} times")
+
+
+def pooled_ratio(numerator: np.ndarray, denominator: np.ndarray, rng: np.random.Generator,
+                 resamples: int = RESAMPLES, level: float = LEVEL) -> tuple[float, float, float]:
+    """Σ numerator / Σ denominator over paired rounds, and the central ``level`` interval of that
+    ratio over ``resamples`` resamplings of the rounds (the outer order statistics, so never
+    narrower than the percentiles).
+
+    A denominator summing to ≤ 0 makes the ratio meaningless (as a round's flag says): the ratio is
+    then NaN, and such a resample counts as +∞, so the interval's upper end is ∞ when more than the
+    tail's share of resamples has one. NaNs when there is no round."""
+    numerator, denominator = np.asarray(numerator, float), np.asarray(denominator, float)
+    if numerator.shape != denominator.shape or numerator.ndim != 1:
+        raise ValueError(f"numerator and denominator must be paired rounds, got shapes {numerator.shape} "
+                         f"and {denominator.shape}")
+    if numerator.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    idx = rng.integers(0, numerator.size, size=(resamples, numerator.size))
+    boot_num, boot_den = numerator[idx].sum(axis=1), denominator[idx].sum(axis=1)
+    boot = np.full(resamples, np.inf)
+    np.divide(boot_num, boot_den, out=boot, where=boot_den > 0)
+    ratio = numerator.sum() / denominator.sum() if denominator.sum() > 0 else float("nan")
+    tail = 100 * (1 - level) / 2
+    low = np.percentile(boot, tail, method="lower")
+    high = np.percentile(boot, 100 - tail, method="higher")
+    return float(ratio), float(low), float(high)
+
+
+def window_measured_rounds(rounds: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """Every run's window rounds (report.run_summary's window) that are full and carry a curvature
+    measurement (a Q sum or a penalty), with the run's cell_id; measurement columns as numbers."""
+    columns = sorted({c for pair in POOLED_RATIOS.values() for c in pair} & set(rounds.columns))
+    if not columns:
+        return rounds.iloc[:0].assign(cell_id=pd.Series(dtype=str))
+    parts = []
+    for _, run in runs.iterrows():
+        rows = rounds[rounds["run"] == run["run"]].dropna(subset=["round"])
+        in_window = (rows["round"] >= run["window_start"]) & (rows["round"] <= run["num_rounds"])
+        rows = rows[in_window & full_rounds(rows, run["K_c"])].copy()
+        for column in [*columns, "recovery_weighted"]:
+            rows[column] = pd.to_numeric(rows[column], errors="coerce")
+        parts.append(rows[rows[columns].notna().any(axis=1)].assign(cell_id=run["cell_id"]))
+    return pd.concat(parts, ignore_index=True) if parts else rounds.iloc[:0].assign(cell_id=pd.Series(dtype=str))
+
+
+def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """One row per cell of ``runs`` (report.run_summary) that has measured rounds: its keys, runs and
+    measured rounds, the window's rounds, the median 1/ΔS_w over those rounds, how many rounds had
+    a ρ_H measurable alone (flag "ok"), and each of POOLED_RATIOS with ``<ratio>_low`` / ``_high``."""
+    measured = window_measured_rounds(rounds, runs)
+    out = []
+    for cell_id, group in runs.groupby("cell_id", sort=False):
+        rows = measured[measured["cell_id"] == cell_id]
+        if rows.empty:
+            continue
+        first = group.iloc[0]
+        row = {
+            "cell": first["cell"], "bs": first["bs"], "tau": first["tau"], "alpha": first["alpha"],
+            "n_runs": len(group), "measured_rounds": len(rows),
+            "rounds": "/".join(sorted({f"{a}-{b}" for a, b in
+                                       zip(group["window_start"], group["num_rounds"], strict=True)})),
+            "recovery_weighted": rows["recovery_weighted"].median(),
+            "rho_h_alone": int((rows["rho_h_flag"] == "ok").sum()) if "rho_h_flag" in rows else 0,
+        }
+        for ratio, (num, den) in POOLED_RATIOS.items():
+            pair = rows[[num, den]].dropna() if {num, den} <= set(rows) else rows.iloc[:0, :0]
+            rng = np.random.default_rng(seed)
+            values = pooled_ratio(pair[num].to_numpy(), pair[den].to_numpy(), rng) if len(pair) else (np.nan,) * 3
+            row.update(zip((ratio, f"{ratio}_low", f"{ratio}_high"), values, strict=True))
+        out.append(row)
+    if not out:
+        return pd.DataFrame(out)
+    cells = pd.DataFrame(out)
+    order = cells.assign(_a=-cells["alpha"].astype(float), _b=cells["bs"].map(bs_order))
+    order = order.sort_values(["_a", "_b", "tau"])
+    return cells.loc[order.index].reset_index(drop=True)
+
+
+def format_pooled(cells: pd.DataFrame) -> str:
+    """The pooled table as text: each ratio as "value (low-high)"."""
+    shown = cells[["cell", "n_runs", "rounds", "measured_rounds", "recovery_weighted", "rho_h_alone"]].copy()
+    shown["recovery_weighted"] = shown["recovery_weighted"].map(lambda v: f"{v:.3f}")
+    for ratio in POOLED_RATIOS:
+        shown[ratio] = [f"{v:.2f} ({lo:.2f}-{hi:.2f})" for v, lo, hi in
+                        cells[[ratio, f"{ratio}_low", f"{ratio}_high"]].itertuples(index=False)]
+    return shown.to_string(index=False)

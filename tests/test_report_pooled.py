@@ -1,0 +1,91 @@
+"""report/pooled.py: ratios pooled over a window's measured rounds, checked against sums done by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from test_report import NAN, rows, write_run
+
+from fedmask_app import report
+from fedmask_app.cli import report as report_cli
+
+
+def test_pooled_ratio_is_the_ratio_of_sums():
+    rng = np.random.default_rng(0)
+    ratio, low, high = report.pooled_ratio(np.array([1.0, 2.0, 3.0]), np.array([1.0, 1.0, 2.0]), rng)
+    assert ratio == pytest.approx(6 / 4)
+    assert 0.5 * 1 <= low <= ratio <= high <= 2.0  # every round's own ratio lies in [1, 2]
+
+
+def test_pooled_ratio_of_proportional_rounds_has_no_spread():
+    """Every round's numerator is 3x its denominator: every resample's ratio is 3."""
+    den = np.array([0.5, 2.0, 7.0, 1e-3])
+    assert report.pooled_ratio(3 * den, den, np.random.default_rng(1)) == pytest.approx((3.0, 3.0, 3.0))
+
+
+def test_pooled_ratio_with_cancelling_denominators_says_nothing():
+    """Denominators that sum to 0 (and resamples that sum to <= 0): the ratio is NaN, the upper end +inf."""
+    ratio, low, high = report.pooled_ratio(np.array([1.0, 1.0]), np.array([1.0, -1.0]), np.random.default_rng(2))
+    assert math.isnan(ratio) and high == math.inf and low == pytest.approx(1.0)  # resample [1, 1]: 2 / 2
+
+
+def test_pooled_ratio_edge_cases():
+    assert all(math.isnan(v) for v in report.pooled_ratio(np.array([]), np.array([]), np.random.default_rng(0)))
+    with pytest.raises(ValueError, match="paired rounds"):
+        report.pooled_ratio(np.ones(3), np.ones(2), np.random.default_rng(0))
+
+
+def _measured(q_mean, q_clients, flags, num_clients=(10,) * 6) -> list[dict]:
+    """Six rounds, 1/ΔS_w = recovery + 0.5; Q sums and penalties (sync = 2 q_mean, ind = 2 q_clients, each
+    predicted as half of it) where given, NaN elsewhere."""
+    q_mean, q_clients = np.array(q_mean, float), np.array(q_clients, float)
+    return rows([1, 2, 3, 4, 5, 6], num_clients=list(num_clients), q_mean=list(q_mean), q_clients=list(q_clients),
+                rho_h_flag=flags, penalty_sync=list(2 * q_mean), penalty_ind=list(2 * q_clients),
+                penalty_sync_pred=list(q_mean), penalty_ind_pred=list(q_clients))
+
+
+def test_pooled_cells_sum_a_cells_window_rounds_over_its_seeds(tmp_path, capsys):
+    """Window 4: rounds 3-6. Seed 0 measured rounds 2 (outside the window), 3, 5 and the short round 6;
+    seed 1 rounds 4 and 6. Pooled: q_mean 2 + 4 + 1 + 3 = 10 over q_clients 1 + 1 + 2 + 1 = 5 -> 2;
+    1/ΔS_w median over rounds 3, 5 (seed 0), 4, 6 (seed 1): [3.5, 5.5, 4.5, 6.5] -> 5.0. A cell that never
+    measured gets no row; full batch sorts after bs 32."""
+    write_run(tmp_path, "s0", {"seed": 0}, _measured(
+        [NAN, 100, 2, NAN, 4, 50], [NAN, 1, 1, NAN, 1, 1], ["", "ok", "ok", "", "denominator_not_significant", "ok"],
+        num_clients=(10,) * 5 + (9,)))
+    write_run(tmp_path, "s1", {"seed": 1}, _measured(
+        [NAN, NAN, NAN, 1, NAN, 3], [NAN, NAN, NAN, 2, NAN, 1], ["", "", "", "ok", "", "ok"]))
+    write_run(tmp_path, "full", {"batch-size": "full", "local-epochs": 1}, _measured(
+        [NAN, NAN, 8, NAN, NAN, NAN], [NAN, NAN, 2, NAN, NAN, NAN], ["", "", "ok", "", "", ""]))
+    write_run(tmp_path, "plain", {"local-epochs": 5}, rows([1] * 6))
+    rounds = report.load_runs([tmp_path])
+    cells = report.pooled_cells(rounds, report.run_summary(rounds, window=4))
+    assert list(cells["bs"]) == ["32", "full"]
+    bs32 = cells.iloc[0]
+    assert (bs32["n_runs"], bs32["rounds"], bs32["measured_rounds"], bs32["rho_h_alone"]) == (2, "3-6", 4, 3)
+    assert bs32["recovery_weighted"] == pytest.approx(5.0)
+    assert bs32["rho_h"] == pytest.approx(2.0) and bs32["rho_direct"] == pytest.approx(2.0)
+    assert bs32["expansion_sync"] == pytest.approx(2.0) and bs32["expansion_ind"] == pytest.approx(2.0)
+    assert bs32["rho_h_low"] <= 2.0 <= bs32["rho_h_high"] and bs32["rho_h_high"] <= 4.0  # the rounds' own: 2, 4, 0.5, 3
+    assert cells.iloc[1]["rho_h"] == pytest.approx(4.0) and cells.iloc[1]["rho_h_low"] == pytest.approx(4.0)
+
+    alone = report.load_runs([tmp_path / "s0", tmp_path / "s1"])  # the cell read without the others
+    again = report.pooled_cells(alone, report.run_summary(alone, window=4)).iloc[0]
+    assert again[["rho_h_low", "rho_h_high"]].tolist() == bs32[["rho_h_low", "rho_h_high"]].tolist()
+
+    out = tmp_path / "report"
+    assert report_cli.main([str(tmp_path), "--window", "4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "curvature pooled over each cell's window" in printed and "2.00 (" in printed
+    written = pd.read_csv(out / "curvature_pooled.csv")
+    assert written["rho_h"].tolist() == pytest.approx([2.0, 4.0])
+
+
+def test_no_measured_rounds_no_pooled_table(tmp_path, capsys):
+    write_run(tmp_path, "plain", {}, rows([1] * 6))
+    rounds = report.load_runs([tmp_path])
+    assert report.pooled_cells(rounds, report.run_summary(rounds, window=4)).empty
+    assert report_cli.main([str(tmp_path), "--window", "4", "--out", str(tmp_path / "r")]) == 0
+    assert "pooled" not in capsys.readouterr().out and not (tmp_path / "r" / "curvature_pooled.csv").exists()
