@@ -481,8 +481,9 @@ def test_comparison_table_and_figure(tmp_path, capsys):
     assert not (out / "curvature.png").exists()  # no run has rho_h
 
 
-def run_notebook(results: Path, figures: Path) -> None:
-    """notebooks/analysis.ipynb, committed without outputs, executed on ``results``; figures go to ``figures``."""
+def run_notebook(results: Path, figures: Path) -> str:
+    """notebooks/analysis.ipynb, committed without outputs, executed on ``results``; figures go to ``figures``.
+    Returns what its cells printed."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -500,12 +501,14 @@ def run_notebook(results: Path, figures: Path) -> None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    return "".join(out.get("text", "") for cell in notebook.cells for out in cell.get("outputs", []))
 
 
 def test_notebook_shows_the_committed_curvature_runs(tmp_path):
     """notebooks/analysis.ipynb on docs/mini-curvature/runs (real measurements, nothing trained here)
-    draws both curvature figures."""
-    run_notebook(PROJECT / "docs" / "mini-curvature" / "runs", tmp_path)
+    draws both curvature figures and prints the pooled ratios."""
+    printed = run_notebook(PROJECT / "docs" / "mini-curvature" / "runs", tmp_path)
+    assert "pooled over each cell's window" in printed and "rho_direct" in printed
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert {"curvature.png", "curvature_rounds.png", "fig1.png"} <= set(pngs)
     assert all((tmp_path / name).read_bytes()[:8] == PNG_MAGIC for name in pngs)
