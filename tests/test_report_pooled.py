@@ -62,7 +62,7 @@ def test_pooled_cells_sum_a_cells_window_rounds_over_its_seeds(tmp_path, capsys)
     write_run(tmp_path, "plain", {"local-epochs": 5}, rows([1] * 6))
     rounds = report.load_runs([tmp_path])
     cells = report.pooled_cells(rounds, report.run_summary(rounds, window=4))
-    assert list(cells["bs"]) == ["32", "full"]
+    assert list(cells["bs"]) == ["32", "full"] and list(cells["T"]) == [2 * 16, 1]  # n_k 500 at bs 32
     bs32 = cells.iloc[0]
     assert (bs32["n_runs"], bs32["rounds"], bs32["measured_rounds"], bs32["rho_h_alone"]) == (2, "3-6", 4, 3)
     assert bs32["recovery_weighted"] == pytest.approx(5.0)

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from fedmask_app.report.runs import bs_order, full_rounds
+from fedmask_app.report.tables import local_steps
 
 POOLED_RATIOS = {
     "rho_h": ("q_mean", "q_clients"),
@@ -79,9 +80,10 @@ def window_measured_rounds(rounds: pd.DataFrame, runs: pd.DataFrame) -> pd.DataF
 
 
 def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """One row per cell of ``runs`` (report.run_summary) that has measured rounds: its keys, runs and
-    measured rounds, the window's rounds, the median 1/ΔS_w over those rounds, how many rounds had
-    a ρ_H measurable alone (flag "ok"), and each of POOLED_RATIOS with ``<ratio>_low`` / ``_high``."""
+    """One row per cell of ``runs`` (report.run_summary) that has measured rounds: its keys, T (local
+    steps a round for its mean shard, as in cell_summary), its runs and measured rounds, the window's
+    rounds, the median 1/ΔS_w over those rounds, how many of them had a ρ_H measurable alone (flag
+    "ok"), and each of POOLED_RATIOS with ``<ratio>_low`` / ``<ratio>_high``."""
     measured = window_measured_rounds(rounds, runs)
     out = []
     for cell_id, group in runs.groupby("cell_id", sort=False):
@@ -91,6 +93,7 @@ def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.
         first = group.iloc[0]
         row = {
             "cell": first["cell"], "bs": first["bs"], "tau": first["tau"], "alpha": first["alpha"],
+            "T": local_steps(first["tau"], first["bs"], group["mean_shard"].mean()),
             "n_runs": len(group), "measured_rounds": len(rows),
             "rounds": "/".join(sorted({f"{a}-{b}" for a, b in
                                        zip(group["window_start"], group["num_rounds"], strict=True)})),
@@ -113,8 +116,9 @@ def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.
 
 def format_pooled(cells: pd.DataFrame) -> str:
     """The pooled table as text: each ratio as "value (low-high)"."""
-    shown = cells[["cell", "n_runs", "rounds", "measured_rounds", "recovery_weighted", "rho_h_alone"]].copy()
+    shown = cells[["cell", "T", "n_runs", "rounds", "measured_rounds", "recovery_weighted", "rho_h_alone"]].copy()
     shown["recovery_weighted"] = shown["recovery_weighted"].map(lambda v: f"{v:.3f}")
+    shown["T"] = shown["T"].map(lambda v: f"{v:.0f}")
     for ratio in POOLED_RATIOS:
         shown[ratio] = [f"{v:.2f} ({lo:.2f}-{hi:.2f})" for v, lo, hi in
                         cells[[ratio, f"{ratio}_low", f"{ratio}_high"]].itertuples(index=False)]
