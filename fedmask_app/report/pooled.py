@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from fedmask_app.report.runs import bs_order, full_rounds
-from fedmask_app.report.tables import local_steps
+from fedmask_app.report.runs import full_rounds
+from fedmask_app.report.tables import in_paper_order, local_steps
 
 POOLED_RATIOS = {
     "rho_h": ("q_mean", "q_clients"),
@@ -106,12 +106,7 @@ def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.
             values = pooled_ratio(pair[num].to_numpy(), pair[den].to_numpy(), rng) if len(pair) else (np.nan,) * 3
             row.update(zip((ratio, f"{ratio}_low", f"{ratio}_high"), values, strict=True))
         out.append(row)
-    if not out:
-        return pd.DataFrame(out)
-    cells = pd.DataFrame(out)
-    order = cells.assign(_a=-cells["alpha"].astype(float), _b=cells["bs"].map(bs_order))
-    order = order.sort_values(["_a", "_b", "tau"])
-    return cells.loc[order.index].reset_index(drop=True)
+    return in_paper_order(pd.DataFrame(out))
 
 
 def format_pooled(cells: pd.DataFrame) -> str:

@@ -188,9 +188,15 @@ def cell_summary(runs: pd.DataFrame) -> pd.DataFrame:
         }
         out.append(row)
     cells = pd.DataFrame(out)
+    return in_paper_order(cells, extra)
+
+
+def in_paper_order(cells: pd.DataFrame, extra: Sequence[str] = ()) -> pd.DataFrame:
+    """``cells`` sorted as the paper's tables: by the ``extra`` keys, then alpha descending, batch size
+    (numeric, then "full") and tau."""
     if cells.empty:
         return cells
-    order = cells.assign(_a=-cells["alpha"], _b=cells["bs"].map(bs_order))
+    order = cells.assign(_a=-cells["alpha"].astype(float), _b=cells["bs"].map(bs_order))
     try:
         order = order.sort_values([*extra, "_a", "_b", "tau"], kind="stable")
     except TypeError:  # a key with values of mixed types: sort it as text
