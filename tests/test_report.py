@@ -508,7 +508,7 @@ def test_notebook_shows_the_committed_curvature_runs(tmp_path):
     """notebooks/analysis.ipynb on docs/mini-curvature/runs (real measurements, nothing trained here)
     draws both curvature figures and prints the pooled ratios."""
     printed = run_notebook(PROJECT / "docs" / "mini-curvature" / "runs", tmp_path)
-    assert "pooled over each cell's window" in printed and "rho_direct" in printed
+    assert "pooled over each cell's window" in printed and "rho_direct" in printed and "rho_h_excess" in printed
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert {"curvature.png", "curvature_rounds.png", "fig1.png"} <= set(pngs)
     assert all((tmp_path / name).read_bytes()[:8] == PNG_MAGIC for name in pngs)

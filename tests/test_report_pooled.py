@@ -38,6 +38,17 @@ def test_pooled_ratio_edge_cases():
         report.pooled_ratio(np.ones(3), np.ones(2), np.random.default_rng(0))
 
 
+def test_excess_over_euclidean():
+    """(rho - 1) / (1/dS_w - 1): 1 when rho_H equals the Euclidean factor, 0 when nothing survives beyond
+    rho 1, NaN when the Euclidean factor has no excess (1/dS_w <= 1)."""
+    assert report.excess_over_euclidean(2.5, 2.5) == pytest.approx(1.0)
+    assert report.excess_over_euclidean(1.0, 3.0) == 0.0
+    assert report.excess_over_euclidean(5.0, 2.0) == pytest.approx(4.0)
+    assert report.excess_over_euclidean(math.inf, 2.0) == math.inf
+    assert math.isnan(report.excess_over_euclidean(2.0, 1.0)) and math.isnan(report.excess_over_euclidean(2.0, 0.8))
+    assert math.isnan(report.excess_over_euclidean(math.nan, 2.0))
+
+
 def _measured(q_mean, q_clients, flags, num_clients=(10,) * 6) -> list[dict]:
     """Six rounds, 1/ΔS_w = recovery + 0.5; Q sums and penalties (sync = 2 q_mean, ind = 2 q_clients, each
     predicted as half of it) where given, NaN elsewhere."""
@@ -69,7 +80,10 @@ def test_pooled_cells_sum_a_cells_window_rounds_over_its_seeds(tmp_path, capsys)
     assert bs32["rho_h"] == pytest.approx(2.0) and bs32["rho_direct"] == pytest.approx(2.0)
     assert bs32["expansion_sync"] == pytest.approx(2.0) and bs32["expansion_ind"] == pytest.approx(2.0)
     assert bs32["rho_h_low"] <= 2.0 <= bs32["rho_h_high"] and bs32["rho_h_high"] <= 4.0  # the rounds' own: 2, 4, 0.5, 3
+    assert bs32["rho_h_excess"] == pytest.approx((2.0 - 1) / (5.0 - 1))
+    assert bs32["rho_h_excess_high"] == pytest.approx((bs32["rho_h_high"] - 1) / 4)
     assert cells.iloc[1]["rho_h"] == pytest.approx(4.0) and cells.iloc[1]["rho_h_low"] == pytest.approx(4.0)
+    assert cells.iloc[1]["rho_h_excess"] == pytest.approx((4.0 - 1) / (3.5 - 1))  # its round 3: 1/dS_w 3.5
 
     alone = report.load_runs([tmp_path / "s0", tmp_path / "s1"])  # the cell read without the others
     again = report.pooled_cells(alone, report.run_summary(alone, window=4)).iloc[0]

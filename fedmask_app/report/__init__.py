@@ -20,7 +20,14 @@ from fedmask_app.report.curvature import (
     measurement_columns,
 )
 from fedmask_app.report.figures import decomposition_curve, fig1
-from fedmask_app.report.pooled import POOLED_NOTE, POOLED_RATIOS, format_pooled, pooled_cells, pooled_ratio
+from fedmask_app.report.pooled import (
+    POOLED_NOTE,
+    POOLED_RATIOS,
+    excess_over_euclidean,
+    format_pooled,
+    pooled_cells,
+    pooled_ratio,
+)
 from fedmask_app.report.protocol import protocol_deviations, protocol_note
 from fedmask_app.report.reference import join_reference, read_reference, unmatched_reference
 from fedmask_app.report.runs import (
@@ -68,9 +75,9 @@ __all__ = [
     "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "SummaryError",
     "at_accuracy", "cell_at_accuracy", "cell_labels", "cell_rounds", "cell_summary", "check_levels",
     "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_figure",
-    "curvature_rounds_figure", "decomposition_curve", "fig1", "find_run_dirs", "format_comparison", "format_pooled",
-    "format_table", "has_curvature", "incomplete_runs", "join_reference", "load_runs", "local_steps",
-    "measured_rounds", "measurement_columns", "pooled_cells", "pooled_ratio", "protocol_deviations",
-    "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure", "run_summary", "table_columns",
-    "table_note", "unmatched_reference", "varying_keys", "windowed_medians",
+    "curvature_rounds_figure", "decomposition_curve", "excess_over_euclidean", "fig1", "find_run_dirs",
+    "format_comparison", "format_pooled", "format_table", "has_curvature", "incomplete_runs", "join_reference",
+    "load_runs", "local_steps", "measured_rounds", "measurement_columns", "pooled_cells", "pooled_ratio",
+    "protocol_deviations", "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure",
+    "run_summary", "table_columns", "table_note", "unmatched_reference", "varying_keys", "windowed_medians",
 ]

@@ -13,7 +13,10 @@ POOLED_RATIOS, numerator over denominator:
 * rho_direct = Σ P_sync / Σ P_ind, the directly measured penalties' ratio;
 * expansion_sync, expansion_ind = Σ measured / Σ second-order predicted penalty (1: the expansion
   holds).
-Beside them the median 1/ΔS_w over the same rounds, the Euclidean factor they are read against.
+Beside them the median 1/ΔS_w over the same rounds, the Euclidean factor they are read against,
+and rho_h_excess = (ρ_H − 1) / (1/ΔS_w − 1): ρ_H's excess over 1 as a multiple of the Euclidean
+factor's (1: the proxy is right; above 1: it understates how much penalty survives averaging), its
+interval ρ_H's with that median held fixed.
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ def pooled_ratio(numerator: np.ndarray, denominator: np.ndarray, rng: np.random.
     return float(ratio), float(low), float(high)
 
 
+def excess_over_euclidean(rho: float, euclidean: float) -> float:
+    """(ρ − 1) / (1/ΔS_w − 1); NaN when 1/ΔS_w ≤ 1, where the Euclidean factor has no excess to compare with."""
+    return (rho - 1) / (euclidean - 1) if euclidean > 1 else float("nan")
+
+
 def window_measured_rounds(rounds: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """Every run's window rounds (report.run_summary's window) that are full and carry a curvature
     measurement (a Q sum or a penalty), with the run's cell_id; measurement columns as numbers."""
@@ -83,7 +91,8 @@ def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.
     """One row per cell of ``runs`` (report.run_summary) that has measured rounds: its keys, T (local
     steps a round for its mean shard, as in cell_summary), its runs and measured rounds, the window's
     rounds, the median 1/ΔS_w over those rounds, how many of them had a ρ_H measurable alone (flag
-    "ok"), and each of POOLED_RATIOS with ``<ratio>_low`` / ``<ratio>_high``."""
+    "ok"), each of POOLED_RATIOS with ``<ratio>_low`` / ``<ratio>_high``, and rho_h_excess with its
+    ends (``excess_over_euclidean`` of rho_h's)."""
     measured = window_measured_rounds(rounds, runs)
     out = []
     for cell_id, group in runs.groupby("cell_id", sort=False):
@@ -105,6 +114,8 @@ def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.
             rng = np.random.default_rng(seed)
             values = pooled_ratio(pair[num].to_numpy(), pair[den].to_numpy(), rng) if len(pair) else (np.nan,) * 3
             row.update(zip((ratio, f"{ratio}_low", f"{ratio}_high"), values, strict=True))
+        for end in ("", "_low", "_high"):
+            row[f"rho_h_excess{end}"] = excess_over_euclidean(row[f"rho_h{end}"], row["recovery_weighted"])
         out.append(row)
     return in_paper_order(pd.DataFrame(out))
 
@@ -114,7 +125,7 @@ def format_pooled(cells: pd.DataFrame) -> str:
     shown = cells[["cell", "T", "n_runs", "rounds", "measured_rounds", "recovery_weighted", "rho_h_alone"]].copy()
     shown["recovery_weighted"] = shown["recovery_weighted"].map(lambda v: f"{v:.3f}")
     shown["T"] = shown["T"].map(lambda v: f"{v:.0f}")
-    for ratio in POOLED_RATIOS:
+    for ratio in [*POOLED_RATIOS, "rho_h_excess"]:
         shown[ratio] = [f"{v:.2f} ({lo:.2f}-{hi:.2f})" for v, lo, hi in
                         cells[[ratio, f"{ratio}_low", f"{ratio}_high"]].itertuples(index=False)]
     return shown.to_string(index=False)
