@@ -13,6 +13,7 @@ from fedmask_app.run.config import (
     load_run_config,
     parse_overrides,
     pyproject_defaults,
+    run_config_from_values,
     toml_value,
 )
 
@@ -203,3 +204,19 @@ def test_the_readme_table_lists_every_key_with_its_default():
     for key, value in pyproject_defaults().items():
         shown = f"`{toml_value(value)}`" if isinstance(value, str) else toml_value(value)
         assert rows.get(key) == shown, f"README's table: {key} is {rows.get(key)!r}, pyproject.toml says {shown!r}"
+
+
+@pytest.mark.parametrize(
+    "grid", sorted(p.relative_to(PROJECT_ROOT).as_posix() for p in (PROJECT_ROOT / "conf").rglob("*.toml")
+                   if p.name != "quick.toml")
+)
+def test_every_committed_grid_file_gives_valid_run_configs(grid):
+    """The README's sweep commands read these files: each run in them must pass validation, as
+    fedmask-sweep would check it at start (a typo in a grid otherwise shows only when it runs)."""
+    from fedmask_app.sweep.grid import load_grid
+
+    runs = load_grid(PROJECT_ROOT / grid)
+    assert runs
+    for run in runs:
+        cfg = run_config_from_values(run.overrides)
+        assert cfg.run_name == run.name
