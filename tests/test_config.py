@@ -16,6 +16,7 @@ from fedmask_app.run.config import (
     run_config_from_values,
     toml_value,
 )
+from fedmask_app.sweep.grid import load_grid
 
 
 @pytest.fixture(autouse=True)
@@ -213,8 +214,6 @@ def test_the_readme_table_lists_every_key_with_its_default():
 def test_every_committed_grid_file_gives_valid_run_configs(grid):
     """The README's sweep commands read these files: each run in them must pass validation, as
     fedmask-sweep would check it at start (a typo in a grid otherwise shows only when it runs)."""
-    from fedmask_app.sweep.grid import load_grid
-
     runs = load_grid(PROJECT_ROOT / grid)
     assert runs
     for run in runs:
