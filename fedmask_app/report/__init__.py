@@ -1,7 +1,8 @@
 """Reading results the way the paper does: run folders as data (runs, shards), per-run and per-cell
 medians and their table (tables), what differs from the paper's protocol (protocol), a reference
-join (reference), Fig. 1 (figures), the server's curvature measurements (curvature) and the masking
-comparison (comparison), runs read at equal test accuracy (stage). No torch."""
+join (reference), Fig. 1 (figures), the server's curvature measurements (curvature), their ratios
+pooled per cell (pooled) and window by window (windows), the masking comparison (comparison), runs
+read at equal test accuracy (stage). No torch."""
 
 from fedmask_app.report.comparison import (
     SPREAD_NOTE,
@@ -68,16 +69,25 @@ from fedmask_app.report.tables import (
     table_note,
     varying_keys,
 )
+from fedmask_app.report.windows import (
+    WINDOWS,
+    format_interval,
+    format_pooled_windows,
+    format_windows,
+    window_ratios,
+)
 
 __all__ = [
     "AT_ACCURACY_COLUMNS", "CELL_AT_ACCURACY_COLUMNS", "CONFIG_DEFAULTS", "KEYS", "MEASURES", "METRICS",
     "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW", "POOLED_NOTE", "POOLED_RATIOS", "RECOVERY_METRICS", "REPORTED",
-    "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "SummaryError",
+    "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "WINDOWS", "SummaryError",
     "at_accuracy", "cell_at_accuracy", "cell_labels", "cell_rounds", "cell_summary", "check_levels",
     "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_figure",
     "curvature_rounds_figure", "decomposition_curve", "excess_over_euclidean", "fig1", "find_run_dirs",
-    "format_comparison", "format_pooled", "format_table", "has_curvature", "incomplete_runs", "join_reference",
+    "format_comparison", "format_interval", "format_pooled", "format_pooled_windows", "format_table",
+    "format_windows", "has_curvature", "incomplete_runs", "join_reference",
     "load_runs", "local_steps", "measured_rounds", "measurement_columns", "pooled_cells", "pooled_ratio",
     "protocol_deviations", "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure",
-    "run_summary", "table_columns", "table_note", "unmatched_reference", "varying_keys", "windowed_medians",
+    "run_summary", "table_columns", "table_note", "unmatched_reference", "varying_keys", "window_ratios",
+    "windowed_medians",
 ]

@@ -1,0 +1,98 @@
+"""The curvature ratios of one run, or of several runs pooled, window by window over training.
+
+report/pooled.py reads a cell in the paper's window; this reads any windows of any runs: for each
+window (first and last round), the runs' measured full rounds in it (full: num_clients = K_c;
+measured: a curvature column has a value) pooled as pooled_ratio pools them, beside the median
+1/ΔS_w of those rounds and the median test accuracy of every round of the window. The README's
+curvature blocks print these tables.
+
+One generator, passed in, draws every interval in order (window by window, ratio by ratio in
+POOLED_RATIOS order): two tables drawn from one generator one after the other give the same
+numbers each time, and a table's intervals depend on what was drawn before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fedmask_app.report.pooled import POOLED_RATIOS, excess_over_euclidean, pooled_ratio
+from fedmask_app.report.runs import SummaryError, full_rounds, load_runs
+
+WINDOWS = ((5, 50), (51, 100), (101, 150), (151, 200))
+
+
+def window_ratios(run_dirs: Sequence[str | Path], rng: np.random.Generator,
+                  windows: Sequence[tuple[int, int]] = WINDOWS,
+                  ratios: Sequence[str] = tuple(POOLED_RATIOS)) -> pd.DataFrame:
+    """One row per window of ``run_dirs`` (run folders) pooled: ``start``, ``end``, ``runs``,
+    ``measured`` (the runs' measured full rounds in it), ``recovery_weighted`` (their median
+    1/ΔS_w), each of ``ratios`` (POOLED_RATIOS keys) with ``<ratio>_low`` / ``<ratio>_high``,
+    ``rho_h_excess`` (excess_over_euclidean of rho_h, when rho_h is among ``ratios``),
+    ``rho_h_alone`` (measured rounds whose ρ_H is measurable alone: flag "ok") and
+    ``test_accuracy`` (median over every round of the window, all runs)."""
+    unknown = [r for r in ratios if r not in POOLED_RATIOS]
+    if unknown:
+        raise ValueError(f"unknown ratio(s) {unknown}; known: {list(POOLED_RATIOS)}")
+    for run_dir in run_dirs:
+        if not (Path(run_dir) / "rounds.csv").is_file():
+            raise SummaryError(f"{run_dir} is not a run folder (no rounds.csv)")
+    rounds = load_runs(run_dirs)
+    if rounds["run"].nunique() != len(run_dirs):
+        raise SummaryError(f"read {rounds['run'].nunique()} runs from {len(run_dirs)} folders: {list(run_dirs)}")
+    columns = sorted({c for pair in POOLED_RATIOS.values() for c in pair} & set(rounds.columns))
+    full = pd.concat([full_rounds(rows, rows["K_c"].iloc[0]) for _, rows in rounds.groupby("run", sort=False)])
+    measured = rounds[full & rounds[columns].notna().any(axis=1)] if columns else rounds.iloc[:0]
+    out = []
+    for start, end in windows:
+        rows = measured[measured["round"].between(start, end)]
+        row = {"start": start, "end": end, "runs": len(run_dirs), "measured": len(rows),
+               "recovery_weighted": rows["recovery_weighted"].median()}
+        for ratio in ratios:
+            num, den = POOLED_RATIOS[ratio]
+            pair = rows[[num, den]].dropna() if {num, den} <= set(rows) else rows.iloc[:0, :0]
+            values = pooled_ratio(pair[num].to_numpy(), pair[den].to_numpy(), rng) if len(pair) else (np.nan,) * 3
+            row.update(zip((ratio, f"{ratio}_low", f"{ratio}_high"), values, strict=True))
+        if "rho_h" in ratios:
+            row["rho_h_excess"] = excess_over_euclidean(row["rho_h"], row["recovery_weighted"])
+        row["rho_h_alone"] = int((rows["rho_h_flag"] == "ok").sum()) if "rho_h_flag" in rows else 0
+        row["test_accuracy"] = rounds.loc[rounds["round"].between(start, end), "test_accuracy"].median()
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def format_interval(row: Mapping, ratio: str) -> str:
+    """``ratio`` of a window_ratios row (a record) and its interval, as the README's blocks print
+    them: " 1.23 ( 1.10- 1.37)"."""
+    return f"{row[ratio]:5.2f} ({row[f'{ratio}_low']:5.2f}-{row[f'{ratio}_high']:5.2f})"
+
+
+def format_windows(table: pd.DataFrame, label: str) -> str:
+    """A window_ratios table (with every POOLED_RATIOS ratio) as text, one line per window under a
+    header that starts with ``label`` (e.g. "bs 128, tau 1, seed 0")."""
+    lines = [f"{label} | rounds | 1/dS_w | rho_H | rho_direct | measured/predicted penalty: sync, ind | test acc."]
+    for row in table.to_dict("records"):
+        lines.append(f"  {row['start']:3}-{row['end']} | {row['recovery_weighted']:5.2f}"
+                     f" | {format_interval(row, 'rho_h')} | {format_interval(row, 'rho_direct')}"
+                     f" | {format_interval(row, 'expansion_sync')}, {format_interval(row, 'expansion_ind')}"
+                     f" | {row['test_accuracy']:.3f} | rho_H measurable alone in {row['rho_h_alone']}"
+                     f" of {row['measured']} rounds")
+    return "\n".join(lines)
+
+
+def format_pooled_windows(table: pd.DataFrame, label: str) -> str:
+    """A window_ratios table of several runs as text, one sentence-like line per window starting
+    with ``label`` (e.g. "seeds 0 and 1"); the expansion ratios when the table has them."""
+    lines = []
+    for row in table.to_dict("records"):
+        line = (f"{label} pooled, their {row['measured']} measured rounds in {row['start']}-{row['end']}:"
+                f" 1/dS_w {row['recovery_weighted']:.2f}, rho_H {format_interval(row, 'rho_h')},"
+                f" rho_direct {format_interval(row, 'rho_direct')}")
+        if "expansion_sync" in row and "expansion_ind" in row:
+            line += (f", measured/predicted {format_interval(row, 'expansion_sync')} (sync),"
+                     f" {format_interval(row, 'expansion_ind')} (ind)")
+        lines.append(line)
+    return "\n".join(lines)
