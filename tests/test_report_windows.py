@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 from test_report import NAN, rows, write_run
 
 from fedmask_app import report
+from fedmask_app.cli import report as report_cli
 
 
 def _measured(q_mean, q_clients, flags, accuracy, num_clients=(10,) * 6) -> list[dict]:
@@ -103,3 +105,41 @@ def test_format_windows_and_pooled_windows(two_seeds):
     short = report.window_ratios(list(two_seeds), np.random.default_rng(0), windows=[(3, 6)],
                                  ratios=["rho_h", "rho_direct"])
     assert "measured/predicted" not in report.format_pooled_windows(short, "seeds 0 and 1")
+
+
+def test_cell_windows_pool_each_cells_seeds_with_a_stream_of_its_own(tmp_path, two_seeds, capsys):
+    """Seeds 0 and 1 form one cell (bs 32, tau 2); a full-batch cell measured rounds 3 and 4; a cell that
+    never measured gets no rows. Each cell's table is window_ratios of its runs from a fresh generator,
+    the second cell's too (a shared generator would shift its intervals)."""
+    full = write_run(tmp_path, "full", {"batch-size": "full", "local-epochs": 1}, _measured(
+        [NAN, NAN, 8, 3, NAN, NAN], [NAN, NAN, 2, 1, NAN, NAN], ["", "", "ok", "ok", "", ""], [0.5] * 6))
+    write_run(tmp_path, "plain", {"local-epochs": 5}, rows([1] * 6))
+    rounds = report.load_runs([tmp_path])
+    table = report.cell_windows(rounds, report.run_summary(rounds, window=4), [(3, 6), (1, 2)])
+    assert table[["bs", "start", "end", "measured"]].values.tolist() == [["32", 3, 6, 4], ["32", 1, 2, 1],
+                                                                           ["full", 3, 6, 2], ["full", 1, 2, 0]]
+    assert list(table["T"]) == [32, 32, 1, 1] and list(table["runs"]) == [2, 2, 1, 1]
+    assert table.iloc[2]["rho_h"] == pytest.approx(11 / 3)
+    for runs, cell in ((list(two_seeds), "32"), ([full], "full")):
+        alone = report.window_ratios(runs, np.random.default_rng(0), windows=[(3, 6), (1, 2)])
+        assert table[table["bs"] == cell].reset_index(drop=True)[alone.columns].equals(alone)
+
+    out = tmp_path / "report"
+    argv = [str(tmp_path), "--window", "4", "--out", str(out), "--curvature-windows", "3-6", "1-2"]
+    assert report_cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "curvature pooled per cell in each window" in printed and "2.00 (" in printed
+    written = pd.read_csv(out / "curvature_windows.csv")
+    assert written["rho_h"].tolist()[:3] == pytest.approx([2.0, 100.0, 11 / 3]) and math.isnan(written["rho_h"][3])
+
+
+def test_curvature_windows_bad_or_empty(tmp_path, two_seeds, capsys):
+    for bad in ("50-5", "0-10", "151", "a-b"):
+        with pytest.raises(SystemExit):
+            report_cli.main([str(tmp_path), "--curvature-windows", bad])
+        assert "--curvature-windows: a window is FIRST-LAST" in capsys.readouterr().err
+    assert report.parse_window("151-200") == (151, 200) and report.parse_window("7-7") == (7, 7)
+    out = tmp_path / "report"
+    assert report_cli.main([str(tmp_path), "--window", "4", "--out", str(out), "--curvature-windows", "7-9"]) == 0
+    assert "no run has curvature measurements in these windows" in capsys.readouterr().err
+    assert not (out / "curvature_windows.csv").exists() and (out / "summary.csv").exists()

@@ -16,13 +16,19 @@ has Q sums or penalties in its window (per cell, ρ_H, ρ_direct and the expansi
 over the window's measured rounds, with 95% intervals from resampling them); curvature.png and
 curvature_rounds.png (the measurements round by round) when any run has ρ_H values; comparison.csv
 and comparison.png when the runs differ in mask-mode, server-step or mask-granularity;
-at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with --at-accuracy.
+at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with --at-accuracy;
+curvature_windows.csv with --curvature-windows.
 
 --at-accuracy LEVEL...: each run read where it first reaches a test accuracy instead of at its last
 round, so runs at different stages of training (another model, optimizer, split) compare at equal
 accuracy: for each level, the first round r whose median test accuracy over rounds r - window + 1
 .. r reaches it, and the window medians of 1/ΔS, ‖μ̂‖², σ̂² over those rounds (full rounds only);
 per cell and level, the median of those across the seeds that reach it, and their 1/ΔS range.
+
+--curvature-windows FIRST-LAST...: the curvature ratios of curvature_pooled.csv in each of these
+windows of rounds instead of the paper's window alone (e.g. 5-50 51-100 101-150 151-200), per cell
+its seeds' measured full rounds pooled, with the test accuracy over each window's rounds
+(fedmask_app/report/windows.py).
 """
 
 from __future__ import annotations
@@ -58,7 +64,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="also read each run where its windowed test accuracy first reaches LEVEL "
                              "(a fraction, e.g. 0.4 0.45): at_accuracy.csv, at_accuracy_cells.csv, "
                              "recovery_vs_accuracy.png")
+    parser.add_argument("--curvature-windows", nargs="+", default=[], metavar="FIRST-LAST",
+                        help="also pool each cell's curvature ratios in these windows of rounds "
+                             "(e.g. 5-50 51-100 101-150 151-200): curvature_windows.csv")
     args = parser.parse_args(argv)
+    try:
+        windows = [report.parse_window(w) for w in args.curvature_windows]
+    except ValueError as exc:
+        parser.error(f"--curvature-windows: {exc}")
     if args.window < 1:
         parser.error(f"--window must be >= 1, got {args.window}")
     try:
@@ -123,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         print(report.format_pooled(pooled))
         written.append(out / "curvature_pooled.csv")
         pooled.to_csv(written[-1], index=False)
+    if windows:
+        by_window = report.cell_windows(rounds, runs, windows)
+        if len(by_window):
+            print(f"\ncurvature pooled per cell in each window ({report.POOLED_NOTE}; test accuracy: the median over "
+                  "every round of the window):")
+            print(report.format_cell_windows(by_window))
+            written.append(out / "curvature_windows.csv")
+            by_window.to_csv(written[-1], index=False)
+        else:
+            _warn("--curvature-windows: no run has curvature measurements in these windows; nothing written")
     if report.has_curvature(rounds):
         written += [out / "curvature.png", out / "curvature_rounds.png"]
         report.curvature_figure(cells, written[-2])

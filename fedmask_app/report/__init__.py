@@ -71,23 +71,27 @@ from fedmask_app.report.tables import (
 )
 from fedmask_app.report.windows import (
     WINDOWS,
+    cell_windows,
+    format_cell_windows,
     format_interval,
     format_pooled_windows,
     format_windows,
+    parse_window,
+    rounds_window_ratios,
     window_ratios,
 )
 
 __all__ = [
     "AT_ACCURACY_COLUMNS", "CELL_AT_ACCURACY_COLUMNS", "CONFIG_DEFAULTS", "KEYS", "MEASURES", "METRICS",
     "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW", "POOLED_NOTE", "POOLED_RATIOS", "RECOVERY_METRICS", "REPORTED",
-    "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "WINDOWS", "SummaryError",
-    "at_accuracy", "cell_at_accuracy", "cell_labels", "cell_rounds", "cell_summary", "check_levels",
-    "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_figure",
+    "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "WINDOWS",
+    "SummaryError", "at_accuracy", "cell_at_accuracy", "cell_labels", "cell_rounds", "cell_summary", "cell_windows",
+    "check_levels", "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_figure",
     "curvature_rounds_figure", "decomposition_curve", "excess_over_euclidean", "fig1", "find_run_dirs",
-    "format_comparison", "format_interval", "format_pooled", "format_pooled_windows", "format_table",
-    "format_windows", "has_curvature", "incomplete_runs", "join_reference",
-    "load_runs", "local_steps", "measured_rounds", "measurement_columns", "pooled_cells", "pooled_ratio",
+    "format_cell_windows", "format_comparison", "format_interval", "format_pooled", "format_pooled_windows",
+    "format_table", "format_windows", "has_curvature", "incomplete_runs", "join_reference", "load_runs",
+    "local_steps", "measured_rounds", "measurement_columns", "parse_window", "pooled_cells", "pooled_ratio",
     "protocol_deviations", "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure",
-    "run_summary", "table_columns", "table_note", "unmatched_reference", "varying_keys", "window_ratios",
-    "windowed_medians",
+    "rounds_window_ratios", "run_summary", "table_columns", "table_note", "unmatched_reference", "varying_keys",
+    "window_ratios", "windowed_medians",
 ]
