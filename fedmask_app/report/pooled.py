@@ -21,6 +21,8 @@ interval ρ_H's with that median held fixed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pandas as pd
 
@@ -70,6 +72,26 @@ def excess_over_euclidean(rho: float, euclidean: float) -> float:
     return (rho - 1) / (euclidean - 1) if euclidean > 1 else float("nan")
 
 
+def pooled_ratios(rows: pd.DataFrame, ratios: Sequence[str], rng: np.random.Generator) -> dict[str, float]:
+    """Each of ``ratios`` (POOLED_RATIOS keys) pooled over ``rows`` (pooled_ratio of the rows that have
+    both its columns), as ``<ratio>``, ``<ratio>_low``, ``<ratio>_high``; NaNs where no row has them.
+    ``rng`` draws the intervals in ``ratios`` order."""
+    out = {}
+    for ratio in ratios:
+        num, den = POOLED_RATIOS[ratio]
+        pair = rows[[num, den]].dropna() if {num, den} <= set(rows) else rows.iloc[:0, :0]
+        values = pooled_ratio(pair[num].to_numpy(), pair[den].to_numpy(), rng) if len(pair) else (np.nan,) * 3
+        out.update(zip((ratio, f"{ratio}_low", f"{ratio}_high"), values, strict=True))
+    return out
+
+
+def rho_h_excess(row: dict) -> dict[str, float]:
+    """``rho_h_excess`` and its ends: excess_over_euclidean of a pooled row's rho_h and its ends against
+    its ``recovery_weighted``."""
+    return {f"rho_h_excess{part}": excess_over_euclidean(row[f"rho_h{part}"], row["recovery_weighted"])
+            for part in ("", "_low", "_high")}
+
+
 def window_measured_rounds(rounds: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """Every run's window rounds (report.run_summary's window) that are full and carry a curvature
     measurement (a Q sum or a penalty), with the run's cell_id; measurement columns as numbers."""
@@ -109,13 +131,9 @@ def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.
             "recovery_weighted": rows["recovery_weighted"].median(),
             "rho_h_alone": int((rows["rho_h_flag"] == "ok").sum()) if "rho_h_flag" in rows else 0,
         }
-        for ratio, (num, den) in POOLED_RATIOS.items():
-            pair = rows[[num, den]].dropna() if {num, den} <= set(rows) else rows.iloc[:0, :0]
-            rng = np.random.default_rng(seed)
-            values = pooled_ratio(pair[num].to_numpy(), pair[den].to_numpy(), rng) if len(pair) else (np.nan,) * 3
-            row.update(zip((ratio, f"{ratio}_low", f"{ratio}_high"), values, strict=True))
-        for end in ("", "_low", "_high"):
-            row[f"rho_h_excess{end}"] = excess_over_euclidean(row[f"rho_h{end}"], row["recovery_weighted"])
+        for ratio in POOLED_RATIOS:  # a generator anew for each ratio
+            row.update(pooled_ratios(rows, [ratio], np.random.default_rng(seed)))
+        row.update(rho_h_excess(row))
         out.append(row)
     return in_paper_order(pd.DataFrame(out))
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedmask_app.report.pooled import POOLED_RATIOS, excess_over_euclidean, pooled_ratio
+from fedmask_app.report.pooled import POOLED_RATIOS, pooled_ratios, rho_h_excess
 from fedmask_app.report.runs import SummaryError, full_rounds, load_runs
 from fedmask_app.report.tables import in_paper_order, local_steps
 
@@ -61,14 +61,9 @@ def rounds_window_ratios(rounds: pd.DataFrame, rng: np.random.Generator,
         rows = measured[measured["round"].between(start, end)]
         row = {"start": start, "end": end, "runs": rounds["run"].nunique(), "measured": len(rows),
                "recovery_weighted": rows["recovery_weighted"].median()}
-        for ratio in ratios:
-            num, den = POOLED_RATIOS[ratio]
-            pair = rows[[num, den]].dropna() if {num, den} <= set(rows) else rows.iloc[:0, :0]
-            values = pooled_ratio(pair[num].to_numpy(), pair[den].to_numpy(), rng) if len(pair) else (np.nan,) * 3
-            row.update(zip((ratio, f"{ratio}_low", f"{ratio}_high"), values, strict=True))
+        row.update(pooled_ratios(rows, ratios, rng))
         if "rho_h" in ratios:
-            for part in ("", "_low", "_high"):
-                row[f"rho_h_excess{part}"] = excess_over_euclidean(row[f"rho_h{part}"], row["recovery_weighted"])
+            row.update(rho_h_excess(row))
         row["rho_h_alone"] = int((rows["rho_h_flag"] == "ok").sum()) if "rho_h_flag" in rows else 0
         row["test_accuracy"] = rounds.loc[rounds["round"].between(start, end), "test_accuracy"].median()
         out.append(row)
