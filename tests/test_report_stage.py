@@ -117,3 +117,72 @@ def test_report_cli_refuses_a_percentage_before_writing_anything(tmp_path, capsy
         report_cli.main([str(tmp_path / "results"), "--out", str(out), "--at-accuracy", "45"])
     assert "--at-accuracy levels are fractions in (0, 1], got 45.0" in capsys.readouterr().err
     assert not out.exists()
+
+
+def _curvature_rows(accuracy, q_mean, q_clients, num_clients=(10,) * 6) -> list[dict]:
+    """Six rounds, 1/ΔS_w = recovery + 0.5 = round + 0.5 (write_run), with Q sums (penalties: sync = 2 q_mean, ind =
+    2 q_clients, each predicted as half of it) where given, NaN elsewhere."""
+    return rows([1, 2, 3, 4, 5, 6], test_accuracy=accuracy, num_clients=list(num_clients), q_mean=q_mean,
+                q_clients=q_clients, rho_h_flag=["ok" if q == q else "" for q in q_mean],
+                penalty_sync=[2 * q for q in q_mean], penalty_ind=[2 * q for q in q_clients],
+                penalty_sync_pred=q_mean, penalty_ind_pred=q_clients)
+
+
+@pytest.fixture
+def curvature_seeds(tmp_path):
+    """Window 3, cell "cnn" two seeds, cell "resnet" without curvature measurements.
+
+    Seed 0: accuracy [.1, .2, .4, .5, .5, .5] -> windowed [.1, .15, .2, .4, .5, .5]: 0.4 at round 4
+    (rounds 2-4), 0.5 at round 5 (rounds 3-5). Measured rounds 2, 4 (Q 6/1, 4/2) and 5 (short: 9 clients).
+    Seed 1: accuracy [.4] * 6: 0.4 at round 1 (round 1 alone, measured: Q 3/3), never 0.5. Measured also
+    round 3, outside its 0.4 window."""
+    write_run(tmp_path, "cnn_s0", {"model": "cnn-fedavg", "seed": 0}, _curvature_rows(
+        [.1, .2, .4, .5, .5, .5], [NAN, 6, NAN, 4, 100, NAN], [NAN, 1, NAN, 2, 1, NAN],
+        num_clients=(10,) * 4 + (9, 10)))
+    write_run(tmp_path, "cnn_s1", {"model": "cnn-fedavg", "seed": 1}, _curvature_rows(
+        [.4] * 6, [3, NAN, 50, NAN, NAN, NAN], [3, NAN, 1, NAN, NAN, NAN]))
+    write_run(tmp_path, "resnet", {"model": "resnet18-gn"}, rows([3] * 6, test_accuracy=[.4] * 6))
+    rounds = report.load_runs([tmp_path])
+    table = report.at_accuracy(rounds, report.run_summary(rounds, 3), [0.4, 0.5], window=3)
+    return rounds, table
+
+
+def test_curvature_at_accuracy_pools_each_runs_own_window(curvature_seeds):
+    """Level 0.4: seed 0's rounds 2 and 4, seed 1's round 1: rho_H = (6 + 4 + 3) / (1 + 2 + 3) = 13/6, and
+    so rho_direct; the expansion 2 (measured = 2 x predicted); 1/ΔS_w median of [2.5, 4.5, 1.5] = 2.5.
+    Level 0.5: seed 0 alone, rounds 3-5, of which round 4 is measured and round 5 is short: 4 / 2."""
+    rounds, table = curvature_seeds
+    cells = report.curvature_at_accuracy(rounds, table)
+    assert list(cells.columns) == list(report.CURVATURE_AT_ACCURACY_COLUMNS)
+    assert cells["cell"].str.contains("model=cnn-fedavg").all()  # resnet: no measurement, left out
+    at = cells.set_index("level")
+    low = at.loc[0.4]
+    assert (low["n_runs"], low["n_reached"], low["measured"], low["rho_h_alone"]) == (2, 2, 3, 3)
+    assert low["round"] == pytest.approx(2.5) and low["test_accuracy"] == pytest.approx(0.4)
+    assert low["rho_h"] == pytest.approx(13 / 6) and low["rho_direct"] == pytest.approx(13 / 6)
+    assert low["expansion_sync"] == pytest.approx(2.0) and low["expansion_ind"] == pytest.approx(2.0)
+    assert low["rho_h_low"] <= 13 / 6 <= low["rho_h_high"]
+    assert low["recovery_weighted"] == pytest.approx(2.5)
+    assert low["rho_h_excess"] == pytest.approx((13 / 6 - 1) / (2.5 - 1))
+    high = at.loc[0.5]
+    assert (high["n_reached"], high["measured"], high["round"]) == (1, 1, 5)
+    assert (high["rho_h"], high["rho_h_low"], high["rho_h_high"]) == (2.0, 2.0, 2.0)
+
+
+def test_curvature_at_accuracy_of_a_level_no_run_reaches_is_nan(curvature_seeds):
+    rounds, _ = curvature_seeds
+    cells = report.curvature_at_accuracy(rounds, report.at_accuracy(
+        rounds, report.run_summary(rounds, 3), [0.4, 0.9], window=3)).set_index("level")
+    never = cells.loc[0.9]
+    assert (never["n_reached"], never["measured"]) == (0, 0)
+    assert math.isnan(never["rho_h"]) and math.isnan(never["round"]) and math.isnan(never["rho_h_excess"])
+
+
+def test_report_cli_writes_curvature_at_accuracy(curvature_seeds, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert report_cli.main([str(tmp_path), "--window", "3", "--out", str(out), "--at-accuracy", "0.4", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "curvature at equal test accuracy" in printed and "2 of 2" in printed
+    written = pd.read_csv(out / "curvature_at_accuracy.csv")
+    assert list(written.columns) == list(report.CURVATURE_AT_ACCURACY_COLUMNS)
+    assert written.set_index("level").loc[0.4, "rho_h"] == pytest.approx(13 / 6)

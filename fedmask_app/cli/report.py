@@ -16,14 +16,18 @@ has Q sums or penalties in its window (per cell, ρ_H, ρ_direct and the expansi
 over the window's measured rounds, with 95% intervals from resampling them); curvature.png and
 curvature_rounds.png (the measurements round by round) when any run has ρ_H values; comparison.csv
 and comparison.png when the runs differ in mask-mode, server-step or mask-granularity;
-at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with --at-accuracy;
-curvature_windows.csv with --curvature-windows.
+at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with --at-accuracy, and
+curvature_at_accuracy.csv when runs have curvature measurements; curvature_windows.csv with
+--curvature-windows.
 
 --at-accuracy LEVEL...: each run read where it first reaches a test accuracy instead of at its last
 round, so runs at different stages of training (another model, optimizer, split) compare at equal
 accuracy: for each level, the first round r whose median test accuracy over rounds r - window + 1
 .. r reaches it, and the window medians of 1/ΔS, ‖μ̂‖², σ̂² over those rounds (full rounds only);
-per cell and level, the median of those across the seeds that reach it, and their 1/ΔS range.
+per cell and level, the median of those across the seeds that reach it, and their 1/ΔS range. With
+curvature measurements, also ρ_H, ρ_direct and the expansion's check per cell and level, pooled
+over the measured full rounds of those windows, seeds together (curvature_at_accuracy.csv), so
+rho_H of two models compares at one stage of training.
 
 --curvature-windows FIRST-LAST...: the curvature ratios of curvature_pooled.csv in each of these
 windows of rounds instead of the paper's window alone (e.g. 5-50 51-100 101-150 151-200), per cell
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--at-accuracy", type=float, nargs="+", default=[], metavar="LEVEL",
                         help="also read each run where its windowed test accuracy first reaches LEVEL "
                              "(a fraction, e.g. 0.4 0.45): at_accuracy.csv, at_accuracy_cells.csv, "
-                             "recovery_vs_accuracy.png")
+                             "recovery_vs_accuracy.png, and curvature_at_accuracy.csv when runs have "
+                             "curvature measurements")
     parser.add_argument("--curvature-windows", nargs="+", default=[], metavar="FIRST-LAST",
                         help="also pool each cell's curvature ratios in these windows of rounds "
                              "(e.g. 5-50 51-100 101-150 151-200): curvature_windows.csv")
@@ -170,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         table.drop(columns=["run"]).to_csv(written[-3], index=False)  # run: an absolute path
         cells_there.to_csv(written[-2], index=False)
         report.recovery_accuracy_figure(rounds, table, args.window, written[-1])
+        curvature_there = report.curvature_at_accuracy(rounds, table)
+        if len(curvature_there):
+            print(f"\ncurvature at equal test accuracy, per cell its seeds' measured full rounds in the {args.window}"
+                  f" rounds ending where each reaches the level ({report.POOLED_NOTE}):")
+            print(report.format_curvature_at_accuracy(curvature_there))
+            written.append(out / "curvature_at_accuracy.csv")
+            curvature_there.to_csv(written[-1], index=False)
     print(f"\nwrote {', '.join(map(str, written))}")
     return 0
 

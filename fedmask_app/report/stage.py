@@ -8,6 +8,11 @@ medians of the recovery statistics over the same rounds — the same window medi
 ``run_summary``, over the window ending at r instead of the run's last round (full rounds only for
 the recovery statistics, as there; rounds that were not evaluated are skipped). Where the window
 would start before round 1 it starts there: ``window_rounds`` says how many rounds it held.
+
+The curvature ratios read the same way (curvature_at_accuracy): per cell and level, the measured
+full rounds of each run's window ending where it reaches the level, the cell's seeds together,
+pooled as report/pooled.py pools a cell's last rounds, so ρ_H of two models can be set side by side
+at one stage of training.
 """
 
 from __future__ import annotations
@@ -21,13 +26,19 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedmask_app.report.figures import log_recovery_axis
+from fedmask_app.report.pooled import POOLED_RATIOS, pooled_ratios, rho_h_excess
 from fedmask_app.report.runs import full_rounds
 from fedmask_app.report.tables import RECOVERY_METRICS
+from fedmask_app.report.windows import format_interval, measured_full_rounds
 
 AT_ACCURACY_COLUMNS = ("run", "run_name", "cell", "seed", "level", "round", "window_rounds", "test_accuracy",
                        *RECOVERY_METRICS, "sigma2_over_mu2")
 _ACROSS_SEEDS = ("round", "test_accuracy", *RECOVERY_METRICS, "sigma2_over_mu2")
 CELL_AT_ACCURACY_COLUMNS = ("cell", "level", "n_runs", "n_reached", *_ACROSS_SEEDS, "recovery_min", "recovery_max")
+_INTERVALS = ("", "_low", "_high")
+CURVATURE_AT_ACCURACY_COLUMNS = ("cell", "level", "n_runs", "n_reached", "round", "test_accuracy", "measured",
+                                 "recovery_weighted", "rho_h_alone",
+                                 *(f"{r}{part}" for r in [*POOLED_RATIOS, "rho_h_excess"] for part in _INTERVALS))
 
 
 def windowed_medians(group: pd.DataFrame, window: int) -> pd.DataFrame:
@@ -96,6 +107,50 @@ def cell_at_accuracy(table: pd.DataFrame) -> pd.DataFrame:
                     **{c: reached[c].median() for c in _ACROSS_SEEDS},
                     "recovery_min": reached["recovery"].min(), "recovery_max": reached["recovery"].max()})
     return pd.DataFrame(out, columns=list(CELL_AT_ACCURACY_COLUMNS))
+
+
+def curvature_at_accuracy(rounds: pd.DataFrame, table: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """One row per cell and level (CURVATURE_AT_ACCURACY_COLUMNS) of ``table`` (``at_accuracy``'s rows
+    for ``rounds``): each of the cell's runs that reaches the level gives its measured full rounds
+    (windows.measured_full_rounds) in rounds round − window_rounds + 1 .. round, where it first
+    reaches it, and those rounds, its seeds together, give each POOLED_RATIOS ratio with its 95%
+    interval (a generator seeded with ``seed`` anew for each cell, level and ratio, as in
+    pooled_cells), the median 1/ΔS_w over them, rho_h_excess and how many had a ρ_H measurable alone.
+    ``round`` and ``test_accuracy``: medians across the runs that reach the level. Ratios NaN where no
+    measured round falls in those windows; cells without a measured round at any level left out."""
+    measured = measured_full_rounds(rounds)
+    out = []
+    for (cell, level), group in table.groupby(["cell", "level"], sort=False):
+        reached = group[group["round"].notna()]
+        in_windows = [measured[(measured["run"] == run["run"])
+                               & measured["round"].between(run["round"] - run["window_rounds"] + 1, run["round"])]
+                      for _, run in reached.iterrows()]
+        rows = pd.concat(in_windows) if in_windows else measured.iloc[:0]
+        row = {"cell": cell, "level": level, "n_runs": len(group), "n_reached": len(reached),
+               "round": reached["round"].median(), "test_accuracy": reached["test_accuracy"].median(),
+               "measured": len(rows), "recovery_weighted": rows["recovery_weighted"].median(),
+               "rho_h_alone": int((rows["rho_h_flag"] == "ok").sum()) if "rho_h_flag" in rows else 0}
+        for ratio in POOLED_RATIOS:
+            row.update(pooled_ratios(rows, [ratio], np.random.default_rng(seed)))
+        row.update(rho_h_excess(row))
+        out.append(row)
+    frame = pd.DataFrame(out, columns=list(CURVATURE_AT_ACCURACY_COLUMNS))
+    has_any = frame.groupby("cell", sort=False)["measured"].transform("sum") > 0
+    return frame[has_any].reset_index(drop=True)
+
+
+def format_curvature_at_accuracy(table: pd.DataFrame) -> str:
+    """A curvature_at_accuracy table as text: each ratio as "value (low-high)"."""
+    shown = table[["cell", "level", "n_reached", "n_runs", "round", "test_accuracy", "measured"]].copy()
+    shown.insert(2, "reached", [f"{a} of {b}" for a, b in zip(shown.pop("n_reached"), shown.pop("n_runs"),
+                                                                 strict=True)])
+    shown["round"] = shown["round"].map(lambda v: f"{v:.0f}" if pd.notna(v) else "-")
+    shown["test_accuracy"] = shown["test_accuracy"].map(lambda v: f"{v:.3f}")
+    shown["1/dS_w"] = table["recovery_weighted"].map(lambda v: f"{v:.3f}")
+    records = table.to_dict("records")
+    for ratio in [*POOLED_RATIOS, "rho_h_excess"]:
+        shown[ratio] = [format_interval(r, ratio).strip() for r in records]
+    return shown.to_string(index=False)
 
 
 def recovery_accuracy_figure(rounds: pd.DataFrame, table: pd.DataFrame, window: int,

@@ -45,6 +45,15 @@ def window_ratios(run_dirs: Sequence[str | Path], rng: np.random.Generator,
     return rounds_window_ratios(rounds, rng, windows, ratios)
 
 
+def measured_full_rounds(rounds: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``rounds`` (report.load_runs rows) that are full rounds (num_clients = K_c) and carry a
+    curvature measurement (a value in a POOLED_RATIOS column): the rounds the pooled ratios read."""
+    rounds = rounds.dropna(subset=["round"])
+    columns = sorted({c for pair in POOLED_RATIOS.values() for c in pair} & set(rounds.columns))
+    full = [full_rounds(rows, rows["K_c"].iloc[0]) for _, rows in rounds.groupby("run", sort=False)]
+    return rounds[pd.concat(full) & rounds[columns].notna().any(axis=1)] if columns and full else rounds.iloc[:0]
+
+
 def rounds_window_ratios(rounds: pd.DataFrame, rng: np.random.Generator,
                          windows: Sequence[tuple[int, int]] = WINDOWS,
                          ratios: Sequence[str] = tuple(POOLED_RATIOS)) -> pd.DataFrame:
@@ -53,9 +62,7 @@ def rounds_window_ratios(rounds: pd.DataFrame, rng: np.random.Generator,
     if unknown:
         raise ValueError(f"unknown ratio(s) {unknown}; known: {list(POOLED_RATIOS)}")
     rounds = rounds.dropna(subset=["round"])
-    columns = sorted({c for pair in POOLED_RATIOS.values() for c in pair} & set(rounds.columns))
-    full = [full_rounds(rows, rows["K_c"].iloc[0]) for _, rows in rounds.groupby("run", sort=False)]
-    measured = rounds[pd.concat(full) & rounds[columns].notna().any(axis=1)] if columns and full else rounds.iloc[:0]
+    measured = measured_full_rounds(rounds)
     out = []
     for start, end in windows:
         rows = measured[measured["round"].between(start, end)]
