@@ -481,17 +481,17 @@ def test_comparison_table_and_figure(tmp_path, capsys):
     assert not (out / "curvature.png").exists()  # no run has rho_h
 
 
-def run_notebook(results: Path, figures: Path) -> str:
-    """notebooks/analysis.ipynb, committed without outputs, executed on ``results``; figures go to ``figures``.
-    Returns what its cells printed."""
+def run_notebook(results: Path, figures: Path, at_accuracy: str = "") -> str:
+    """notebooks/analysis.ipynb, committed without outputs, executed on ``results``; figures go to ``figures``;
+    ``at_accuracy``: its FEDMASK_AT_ACCURACY levels (default: its own). Returns what its cells printed."""
     import nbformat
     from nbclient import NotebookClient
 
     notebook = nbformat.read(PROJECT / "notebooks" / "analysis.ipynb", as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), \
         "commit the notebook with outputs cleared"
-    saved = {k: os.environ.get(k) for k in ("FEDMASK_RESULTS", "FEDMASK_FIGURES")}
-    os.environ.update(FEDMASK_RESULTS=str(results), FEDMASK_FIGURES=str(figures))
+    saved = {k: os.environ.get(k) for k in ("FEDMASK_RESULTS", "FEDMASK_FIGURES", "FEDMASK_AT_ACCURACY")}
+    os.environ.update(FEDMASK_RESULTS=str(results), FEDMASK_FIGURES=str(figures), FEDMASK_AT_ACCURACY=at_accuracy)
     try:
         NotebookClient(notebook, kernel_name="python3", timeout=600,
                        resources={"metadata": {"path": str(PROJECT / "notebooks")}}).execute()
@@ -506,9 +506,12 @@ def run_notebook(results: Path, figures: Path) -> str:
 
 def test_notebook_shows_the_committed_curvature_runs(tmp_path):
     """notebooks/analysis.ipynb on docs/mini-curvature/runs (real measurements, nothing trained here)
-    draws both curvature figures and prints the pooled ratios."""
-    printed = run_notebook(PROJECT / "docs" / "mini-curvature" / "runs", tmp_path)
+    draws both curvature figures and prints the pooled ratios, and at test accuracy 0.3 (its windowed median
+    reached by three runs between rounds 20 and 25, where the measurements are) the same ratios at equal
+    accuracy."""
+    printed = run_notebook(PROJECT / "docs" / "mini-curvature" / "runs", tmp_path, at_accuracy="0.3")
     assert "pooled over each cell's window" in printed and "rho_direct" in printed and "rho_h_excess" in printed
+    assert "at equal test accuracy, levels [0.3]" in printed and "1 of 1" in printed
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert {"curvature.png", "curvature_rounds.png", "fig1.png"} <= set(pngs)
     assert all((tmp_path / name).read_bytes()[:8] == PNG_MAGIC for name in pngs)
