@@ -11,6 +11,7 @@ from test_report import NAN, rows, write_run
 
 from fedmask_app import report
 from fedmask_app.cli import report as report_cli
+from fedmask_app.report.pooled import pooled_summary
 
 
 def test_pooled_ratio_is_the_ratio_of_sums():
@@ -47,6 +48,23 @@ def test_excess_over_euclidean():
     assert report.excess_over_euclidean(math.inf, 2.0) == math.inf
     assert math.isnan(report.excess_over_euclidean(2.0, 1.0)) and math.isnan(report.excess_over_euclidean(2.0, 0.8))
     assert math.isnan(report.excess_over_euclidean(math.nan, 2.0))
+
+
+def test_pooled_summary_reads_rounds_together():
+    """Ratios of sums, each ratio's interval from its own generator (the same whether or not the other
+    ratios' columns are there), the median 1/dS_w, rho_H's excess over it and the rounds with rho_H alone."""
+    rounds = pd.DataFrame({"recovery_weighted": [2.0, 3.0, 5.0], "q_mean": [3.0, 3.0, 3.0],
+                           "q_clients": [1.0, 2.0, 3.0], "rho_h_flag": ["ok", "small", "ok"],
+                           "penalty_sync": [2.0, 2.0, 2.0], "penalty_ind": [1.0, 1.0, 1.0]})
+    summary = pooled_summary(rounds, seed=3)
+    assert summary["recovery_weighted"] == 3.0 and summary["rho_h_alone"] == 2
+    assert summary["rho_h"] == pytest.approx(9 / 6) and summary["rho_direct"] == pytest.approx(2.0)
+    assert summary["rho_direct_low"] == summary["rho_direct_high"] == pytest.approx(2.0)
+    assert summary["rho_h_excess"] == pytest.approx((9 / 6 - 1) / (3.0 - 1))
+    assert math.isnan(summary["expansion_sync"])  # no predicted penalty
+    alone = pooled_summary(rounds[["recovery_weighted", "q_mean", "q_clients"]], seed=3)
+    assert alone["rho_h_alone"] == 0 and math.isnan(alone["rho_direct"])
+    assert (alone["rho_h_low"], alone["rho_h_high"]) == (summary["rho_h_low"], summary["rho_h_high"])
 
 
 def _measured(q_mean, q_clients, flags, num_clients=(10,) * 6) -> list[dict]:

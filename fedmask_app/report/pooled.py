@@ -92,6 +92,22 @@ def rho_h_excess(row: dict) -> dict[str, float]:
             for part in ("", "_low", "_high")}
 
 
+def rho_h_alone(rows: pd.DataFrame) -> int:
+    """How many of ``rows`` had a ρ_H measurable alone (rho_h_flag "ok")."""
+    return int((rows["rho_h_flag"] == "ok").sum()) if "rho_h_flag" in rows else 0
+
+
+def pooled_summary(rows: pd.DataFrame, seed: int = 0) -> dict[str, float]:
+    """Measured rounds ``rows`` read together: the median 1/ΔS_w over them (``recovery_weighted``),
+    rho_h_alone, each of POOLED_RATIOS with its interval (a generator seeded with ``seed`` anew for
+    each ratio, so one ratio's interval does not depend on which others are drawn) and
+    rho_h_excess with its ends."""
+    row = {"recovery_weighted": rows["recovery_weighted"].median(), "rho_h_alone": rho_h_alone(rows)}
+    for ratio in POOLED_RATIOS:
+        row.update(pooled_ratios(rows, [ratio], np.random.default_rng(seed)))
+    return row | rho_h_excess(row)
+
+
 def window_measured_rounds(rounds: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """Every run's window rounds (report.run_summary's window) that are full and carry a curvature
     measurement (a Q sum or a penalty), with the run's cell_id; measurement columns as numbers."""
@@ -128,12 +144,8 @@ def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.
             "n_runs": len(group), "measured_rounds": len(rows),
             "rounds": "/".join(sorted({f"{a}-{b}" for a, b in
                                        zip(group["window_start"], group["num_rounds"], strict=True)})),
-            "recovery_weighted": rows["recovery_weighted"].median(),
-            "rho_h_alone": int((rows["rho_h_flag"] == "ok").sum()) if "rho_h_flag" in rows else 0,
+            **pooled_summary(rows, seed),
         }
-        for ratio in POOLED_RATIOS:  # a generator anew for each ratio
-            row.update(pooled_ratios(rows, [ratio], np.random.default_rng(seed)))
-        row.update(rho_h_excess(row))
         out.append(row)
     return in_paper_order(pd.DataFrame(out))
 

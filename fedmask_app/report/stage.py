@@ -26,7 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedmask_app.report.figures import log_recovery_axis
-from fedmask_app.report.pooled import POOLED_RATIOS, pooled_ratios, rho_h_excess
+from fedmask_app.report.pooled import POOLED_RATIOS, pooled_summary
 from fedmask_app.report.runs import full_rounds
 from fedmask_app.report.tables import RECOVERY_METRICS
 from fedmask_app.report.windows import format_interval, measured_full_rounds
@@ -128,11 +128,7 @@ def curvature_at_accuracy(rounds: pd.DataFrame, table: pd.DataFrame, seed: int =
         rows = pd.concat(in_windows) if in_windows else measured.iloc[:0]
         row = {"cell": cell, "level": level, "n_runs": len(group), "n_reached": len(reached),
                "round": reached["round"].median(), "test_accuracy": reached["test_accuracy"].median(),
-               "measured": len(rows), "recovery_weighted": rows["recovery_weighted"].median(),
-               "rho_h_alone": int((rows["rho_h_flag"] == "ok").sum()) if "rho_h_flag" in rows else 0}
-        for ratio in POOLED_RATIOS:
-            row.update(pooled_ratios(rows, [ratio], np.random.default_rng(seed)))
-        row.update(rho_h_excess(row))
+               "measured": len(rows), **pooled_summary(rows, seed)}
         out.append(row)
     frame = pd.DataFrame(out, columns=list(CURVATURE_AT_ACCURACY_COLUMNS))
     has_any = frame.groupby("cell", sort=False)["measured"].transform("sum") > 0

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedmask_app.report.pooled import POOLED_RATIOS, pooled_ratios, rho_h_excess
+from fedmask_app.report.pooled import POOLED_RATIOS, pooled_ratios, rho_h_alone, rho_h_excess
 from fedmask_app.report.runs import SummaryError, full_rounds, load_runs
 from fedmask_app.report.tables import in_paper_order, local_steps
 
@@ -71,7 +71,7 @@ def rounds_window_ratios(rounds: pd.DataFrame, rng: np.random.Generator,
         row.update(pooled_ratios(rows, ratios, rng))
         if "rho_h" in ratios:
             row.update(rho_h_excess(row))
-        row["rho_h_alone"] = int((rows["rho_h_flag"] == "ok").sum()) if "rho_h_flag" in rows else 0
+        row["rho_h_alone"] = rho_h_alone(rows)
         row["test_accuracy"] = rounds.loc[rounds["round"].between(start, end), "test_accuracy"].median()
         out.append(row)
     return pd.DataFrame(out)
