@@ -14,7 +14,10 @@ have them.
 Writes into --out: summary.csv (one row per cell) and fig1.png; curvature_pooled.csv when any run
 has Q sums or penalties in its window (per cell, ρ_H, ρ_direct and the expansion's check pooled
 over the window's measured rounds, with 95% intervals from resampling them); curvature.png and
-curvature_rounds.png (the measurements round by round) when any run has ρ_H values; comparison.csv
+curvature_rounds.png (the measurements round by round) when any run has ρ_H values;
+sharpness.csv and sharpness_rounds.png when any run measured λ_max (flatness-every): per run, λ_max
+against the edge of stability 2 / (lr · server_lr) where a round is one plain full-batch gradient
+step (fedmask_app/report/sharpness.py), and the first measured round at or above it; comparison.csv
 and comparison.png when the runs differ in mask-mode, server-step or mask-granularity;
 at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with --at-accuracy, and
 curvature_at_accuracy.csv when runs have curvature measurements; curvature_windows.csv with
@@ -155,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         written += [out / "curvature.png", out / "curvature_rounds.png"]
         report.curvature_figure(cells, written[-2])
         report.curvature_rounds_figure(rounds, written[-1])
+    sharpness = report.sharpness_table(rounds)
+    if len(sharpness):
+        print("\nsharpness (lambda_max of the global model on the probe batch) against the edge of stability "
+              "2 / (lr * server_lr), where a round is one plain full-batch step:")
+        print(sharpness.to_string(index=False, float_format=_four_digits))
+        written += [out / "sharpness.csv", out / "sharpness_rounds.png"]
+        sharpness.to_csv(written[-2], index=False)
+        report.sharpness_figure(rounds, written[-1])
     if report.compares_training(runs):
         table = report.comparison_table(runs)
         print(f"\nmasking comparison ({report.SPREAD_NOTE}):")

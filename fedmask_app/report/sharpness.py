@@ -1,0 +1,105 @@
+"""λ_max of the global model against the edge of stability, round by round.
+
+Full-batch gradient descent with step η is stable along a direction of curvature λ only while
+λ < 2/η; trained at a fixed step, networks sharpen until λ_max reaches 2/η and then hover there (the
+edge of stability, Cohen et al., ICLR 2021). Where a round is one such step of the global model
+(batch-size full, local-epochs 1, plain SGD, no masks, no augmentation), it moves θ by
+η_g · lr · Σ_k w_k ∇l_k(θ), so its edge is 2 / (lr · η_g), η_g the round's server_lr. Other rounds
+(minibatches, several local steps, momentum, weight decay, masks) have no such single threshold:
+NaN. λ_max itself (flatness-every) is measured on the probe batch, not on the cohort's data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from fedmask_app.report.runs import full_rounds
+
+SHARPNESS_COLUMNS = ("run_name", "model", "lr", "edge", "measured", "first_round", "lambda_max_first", "lambda_max_max",
+                     "lambda_max_last", "first_round_at_edge")
+
+
+def _column(rounds: pd.DataFrame, name: str) -> pd.Series:
+    """A config column of load_runs' rounds, NaN where the runs' configs lack it."""
+    return rounds[name] if name in rounds else pd.Series(np.nan, index=rounds.index)
+
+
+def one_gd_step(rounds: pd.DataFrame) -> pd.Series:
+    """Per row of load_runs' rounds: whether its round is one plain full-batch gradient step."""
+    def equals(column: str, value) -> pd.Series:
+        return rounds[column].eq(value) if column in rounds else pd.Series(True, index=rounds.index)
+
+    plain = equals("momentum", 0) & equals("weight-decay", 0) & equals("mask-mode", "none") & equals("augment", "none")
+    return rounds["bs"].eq("full") & rounds["tau"].eq(1) & plain
+
+
+def stability_edge(rounds: pd.DataFrame) -> pd.Series:
+    """Per row, 2 / (lr · server_lr) where the round is one plain full-batch gradient step (one_gd_step),
+    server_lr 1 where not recorded; NaN elsewhere, and where the run records no lr."""
+    server_lr = pd.to_numeric(rounds["server_lr"], errors="coerce").fillna(1.0) if "server_lr" in rounds else 1.0
+    edge = 2.0 / (pd.to_numeric(_column(rounds, "lr"), errors="coerce") * server_lr)
+    return edge.where(one_gd_step(rounds))
+
+
+def sharpness_rows(rounds: pd.DataFrame) -> pd.DataFrame:
+    """The rounds that measured λ_max, by run and round, with ``edge`` (stability_edge)."""
+    if "hessian_lambda_max" not in rounds:
+        return rounds.iloc[:0].assign(edge=pd.Series(dtype=float))
+    rows = rounds.assign(hessian_lambda_max=pd.to_numeric(rounds["hessian_lambda_max"], errors="coerce"),
+                         edge=stability_edge(rounds))
+    return rows[rows["hessian_lambda_max"].notna()].sort_values(["run", "round"], kind="stable")
+
+
+def sharpness_table(rounds: pd.DataFrame) -> pd.DataFrame:
+    """One row per run that measured λ_max (SHARPNESS_COLUMNS): its model and lr, the median edge over those
+    rounds (NaN where its rounds have none), how many were measured and the first, λ_max at the first,
+    largest and last, and the first measured round with λ_max at or above the edge (NaN: none)."""
+    out = []
+    for _, rows in sharpness_rows(rounds).groupby("run", sort=False):
+        lam, edge = rows["hessian_lambda_max"], rows["edge"]
+        at_edge = rows.loc[lam >= edge, "round"]
+        out.append({"run_name": rows["run_name"].iloc[0], "model": _column(rows, "model").iloc[0],
+                    "lr": _column(rows, "lr").iloc[0],
+                    "edge": edge.median(), "measured": len(rows), "first_round": rows["round"].iloc[0],
+                    "lambda_max_first": lam.iloc[0],
+                    "lambda_max_max": lam.max(), "lambda_max_last": lam.iloc[-1],
+                    "first_round_at_edge": at_edge.iloc[0] if len(at_edge) else np.nan})
+    return pd.DataFrame(out, columns=list(SHARPNESS_COLUMNS))
+
+
+def sharpness_figure(rounds: pd.DataFrame, path: str | Path | None = None) -> Figure:
+    """One column per run that measured λ_max: top, λ_max at its measured rounds and the edge 2/(lr·η_g)
+    where defined (log scale); bottom, 1/ΔS_w at every full round. Saved as PNG if ``path``."""
+    measured = sharpness_rows(rounds)
+    names = list(dict.fromkeys(measured["run"]))
+    fig = Figure(figsize=(max(6.0, 4.8 * len(names)), 6.5), layout="constrained")
+    axes = fig.subplots(2, max(1, len(names)), squeeze=False, sharex="col")
+    for j, run in enumerate(names):
+        top, bottom = axes[0, j], axes[1, j]
+        rows = measured[measured["run"] == run]
+        top.plot(rows["round"], rows["hessian_lambda_max"], "o-", markersize=3.5, linewidth=1, label="λ_max")
+        every = rounds[rounds["run"] == run].dropna(subset=["round"]).sort_values("round")
+        edge = stability_edge(every)
+        if edge.notna().any():
+            top.plot(every["round"], edge, "--", color="grey", linewidth=1, label="2 / (lr · η_g)")
+        top.set_yscale("log")
+        top.set_ylabel("top Hessian eigenvalue (probe batch)")
+        first = rows.iloc[0]
+        top.set_title(f"{first['run_name']}: {first.get('model', '?')}, lr {first.get('lr', '?')}", fontsize=8)
+        top.legend(fontsize=7)
+        full = every[full_rounds(every, every["K_c"].iloc[0])]
+        bottom.plot(full["round"], pd.to_numeric(full["recovery_weighted"], errors="coerce"), "-", linewidth=1,
+                    color="C0")
+        bottom.set_xlabel("round")
+        bottom.set_ylabel("1/ΔS_w")
+    if not names:
+        axes[0, 0].text(0.5, 0.5, "no run measured λ_max", ha="center", va="center", transform=axes[0, 0].transAxes)
+    fig.suptitle("Sharpness against the edge of stability (full rounds for 1/ΔS_w)", fontsize=10)
+    if path is not None:
+        FigureCanvasAgg(fig).print_png(str(path))
+    return fig
