@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         report.curvature_rounds_figure(rounds, written[-1])
     sharpness = report.sharpness_table(rounds)
     if len(sharpness):
-        print("\nsharpness (lambda_max of the global model on the probe batch) against the edge of stability "
-              "2 / (lr * server_lr), where a round is one plain full-batch step:")
+        print(f"\nsharpness {report.SHARPNESS_NOTE}:")
         print(sharpness.to_string(index=False, float_format=_four_digits))
         written += [out / "sharpness.csv", out / "sharpness_rounds.png"]
         sharpness.to_csv(written[-2], index=False)

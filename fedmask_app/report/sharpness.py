@@ -18,23 +18,24 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from fedmask_app.report.runs import full_rounds
+from fedmask_app.report.runs import CONFIG_DEFAULTS, full_rounds
 
+SHARPNESS_NOTE = ("(lambda_max of the global model on the probe batch) against the edge of stability "
+                  "2 / (lr * server_lr), where a round is one plain full-batch step")
 SHARPNESS_COLUMNS = ("run_name", "model", "lr", "edge", "measured", "first_round", "lambda_max_first", "lambda_max_max",
                      "lambda_max_last", "first_round_at_edge")
 
 
-def _column(rounds: pd.DataFrame, name: str) -> pd.Series:
-    """A config column of load_runs' rounds, NaN where the runs' configs lack it."""
-    return rounds[name] if name in rounds else pd.Series(np.nan, index=rounds.index)
+def _config(rounds: pd.DataFrame, key: str) -> pd.Series:
+    """A run-config column of rounds; where the frame lacks it, its CONFIG_DEFAULTS value (as load_runs
+    fills in for older runs), NaN for a key without one."""
+    return rounds[key] if key in rounds else pd.Series(CONFIG_DEFAULTS.get(key, np.nan), index=rounds.index)
 
 
 def one_gd_step(rounds: pd.DataFrame) -> pd.Series:
     """Per row of load_runs' rounds: whether its round is one plain full-batch gradient step."""
-    def equals(column: str, value) -> pd.Series:
-        return rounds[column].eq(value) if column in rounds else pd.Series(True, index=rounds.index)
-
-    plain = equals("momentum", 0) & equals("weight-decay", 0) & equals("mask-mode", "none") & equals("augment", "none")
+    plain = (_config(rounds, "momentum").eq(0) & _config(rounds, "weight-decay").eq(0)
+             & _config(rounds, "mask-mode").eq("none") & _config(rounds, "augment").eq("none"))
     return rounds["bs"].eq("full") & rounds["tau"].eq(1) & plain
 
 
@@ -42,7 +43,7 @@ def stability_edge(rounds: pd.DataFrame) -> pd.Series:
     """Per row, 2 / (lr · server_lr) where the round is one plain full-batch gradient step (one_gd_step),
     server_lr 1 where not recorded; NaN elsewhere, and where the run records no lr."""
     server_lr = pd.to_numeric(rounds["server_lr"], errors="coerce").fillna(1.0) if "server_lr" in rounds else 1.0
-    edge = 2.0 / (pd.to_numeric(_column(rounds, "lr"), errors="coerce") * server_lr)
+    edge = 2.0 / (pd.to_numeric(_config(rounds, "lr"), errors="coerce") * server_lr)
     return edge.where(one_gd_step(rounds))
 
 
@@ -63,8 +64,8 @@ def sharpness_table(rounds: pd.DataFrame) -> pd.DataFrame:
     for _, rows in sharpness_rows(rounds).groupby("run", sort=False):
         lam, edge = rows["hessian_lambda_max"], rows["edge"]
         at_edge = rows.loc[lam >= edge, "round"]
-        out.append({"run_name": rows["run_name"].iloc[0], "model": _column(rows, "model").iloc[0],
-                    "lr": _column(rows, "lr").iloc[0],
+        out.append({"run_name": rows["run_name"].iloc[0], "model": _config(rows, "model").iloc[0],
+                    "lr": _config(rows, "lr").iloc[0],
                     "edge": edge.median(), "measured": len(rows), "first_round": rows["round"].iloc[0],
                     "lambda_max_first": lam.iloc[0],
                     "lambda_max_max": lam.max(), "lambda_max_last": lam.iloc[-1],
