@@ -17,7 +17,8 @@ over the window's measured rounds, with 95% intervals from resampling them); cur
 curvature_rounds.png (the measurements round by round) when any run has ρ_H values;
 sharpness.csv and sharpness_rounds.png when any run measured λ_max (flatness-every): per run, λ_max
 against the edge of stability 2 / (lr · server_lr) where a round is one plain full-batch gradient
-step (fedmask_app/report/sharpness.py), and the first measured round at or above it; comparison.csv
+step and against a local SGD step's edge 2 (1 + momentum) / lr − weight-decay
+(fedmask_app/report/sharpness.py), and the first measured round at or above each; comparison.csv
 and comparison.png when the runs differ in mask-mode, server-step or mask-granularity;
 at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with --at-accuracy, and
 curvature_at_accuracy.csv when runs have curvature measurements; curvature_windows.csv with

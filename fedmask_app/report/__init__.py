@@ -52,6 +52,7 @@ from fedmask_app.report.sharpness import (
     sharpness_figure,
     sharpness_table,
     stability_edge,
+    step_edge,
 )
 from fedmask_app.report.stage import (
     AT_ACCURACY_COLUMNS,
@@ -105,6 +106,6 @@ __all__ = [
     "load_runs", "local_steps", "measured_full_rounds", "measured_rounds", "measurement_columns", "parse_window",
     "pooled_cells", "pooled_ratio", "protocol_deviations", "protocol_note", "read_reference", "read_shards",
     "recovery_accuracy_figure", "rounds_window_ratios", "run_summary", "sharpness_figure", "sharpness_table",
-    "stability_edge", "table_columns", "table_note", "unmatched_reference", "varying_keys", "window_ratios",
-    "windowed_medians",
+    "stability_edge", "step_edge", "table_columns", "table_note", "unmatched_reference", "varying_keys",
+    "window_ratios", "windowed_medians",
 ]
