@@ -99,6 +99,11 @@ def test_format_windows_and_pooled_windows(two_seeds):
     assert line.startswith("    3-6 |  6.00 |  2.00 (")
     assert line.endswith("| 0.650 | rho_H measurable alone in 3 of 4 rounds")
     assert report.format_interval(table.to_dict("records")[0], "rho_h").startswith(" 2.00 (")
+    two_windows = report.window_ratios(list(two_seeds), np.random.default_rng(0), windows=[(3, 6), (1, 2)])
+    excess = f"{two_windows['rho_h_excess'].iloc[1]:.1f}"
+    assert report.format_excess(two_windows) == (  # (2 - 1) / (6 - 1) in rounds 3-6
+        f"rho_H - 1 over 1/dS_w - 1: rounds 3-6 0.2, rounds 1-2 {excess}")
+    assert report.format_excess(two_windows.iloc[:1], "pooled").startswith("pooled: rounds 3-6 ")
     pooled = report.format_pooled_windows(table, "seeds 0 and 1")
     assert pooled.startswith("seeds 0 and 1 pooled, their 4 measured rounds in 3-6: 1/dS_w 6.00, rho_H  2.00 (")
     assert "measured/predicted  2.00 (" in pooled and pooled.endswith("(ind)")

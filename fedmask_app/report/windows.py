@@ -124,6 +124,13 @@ def format_windows(table: pd.DataFrame, label: str) -> str:
     return "\n".join(lines)
 
 
+def format_excess(table: pd.DataFrame, label: str = "rho_H - 1 over 1/dS_w - 1") -> str:
+    """A window_ratios table's rho_h_excess on one line after ``label``: "LABEL: rounds 5-50 2.1,
+    rounds 51-100 6.4"."""
+    windows = (f"rounds {row['start']}-{row['end']} {row['rho_h_excess']:.1f}" for row in table.to_dict("records"))
+    return f"{label}: " + ", ".join(windows)
+
+
 def format_pooled_windows(table: pd.DataFrame, label: str) -> str:
     """A window_ratios table of several runs as text, one sentence-like line per window starting
     with ``label`` (e.g. "seeds 0 and 1"); the expansion ratios when the table has them."""
