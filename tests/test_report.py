@@ -266,6 +266,11 @@ def test_T_range_from_shards_csv(tmp_path, capsys):
 
     rounds = report.load_runs([tmp_path])
     assert list(rounds[rounds["run_name"] == "a"]["shard_max"]) == [3000, 3000, 100, 1000, 1000, 100]
+    # W2 = sum of (n_k / sum n)^2: one client 1; "0 1" (20, 100) (1/6)^2 + (5/6)^2; "3 4" (70, 80) by hand
+    w2 = rounds.groupby("run_name")["sum_sq_weights"].apply(list)
+    assert w2["a"][:3] == pytest.approx([1.0, 1.0, 26 / 36])
+    assert w2["b"] == pytest.approx([(70**2 + 80**2) / 150**2] * 6)
+    assert rounds[rounds["run_name"] == "c"]["sum_sq_weights"].isna().all()  # no shards.csv
     runs = report.run_summary(rounds, window=4).set_index("run_name")
     assert (runs.loc["a", "T_min"], runs.loc["a", "T_max"]) == (2, 64)
     assert (runs.loc["b", "T_min"], runs.loc["b", "T_max"]) == (6, 6)
@@ -278,7 +283,7 @@ def test_T_range_from_shards_csv(tmp_path, capsys):
     (a / "shards.csv").write_text("partition_id,num_examples\n0,20\n")  # lacks the cohorts' other clients
     with pytest.warns(UserWarning, match="shards.csv not used"):
         rounds = report.load_runs([a])
-    assert rounds["shard_min"].isna().all()
+    assert rounds["shard_min"].isna().all() and rounds["sum_sq_weights"].isna().all()
     assert report_cli.main([str(tmp_path / "c"), "--window", "4"]) == 0
     assert "without a usable shards.csv" in capsys.readouterr().err
 

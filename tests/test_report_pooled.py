@@ -12,6 +12,7 @@ from test_report import NAN, rows, write_run
 from fedmask_app import report
 from fedmask_app.cli import report as report_cli
 from fedmask_app.report.pooled import pooled_summary
+from strategies.stats import cohort_statistics
 
 
 def test_pooled_ratio_is_the_ratio_of_sums():
@@ -50,6 +51,53 @@ def test_excess_over_euclidean():
     assert math.isnan(report.excess_over_euclidean(math.nan, 2.0))
 
 
+def _kappa(updates, weights, hessian) -> float:
+    """disagreement_curvature of hand-made updates: rho_H = Q(mean) / sum_k w_k^2 Q(Delta_k) with Q(v) = v'Hv
+    done here, 1/dS_w from strategies.stats, W2 = sum_k w_k^2."""
+    updates, w = np.array(updates, float), np.array(weights, float) / np.sum(weights)
+    mean = w @ updates
+    rho_h = (mean @ hessian @ mean) / sum(wk**2 * (u @ hessian @ u) for wk, u in zip(w, updates, strict=True))
+    euclidean = cohort_statistics([[u] for u in updates], list(weights))["recovery_weighted"]
+    return report.disagreement_curvature(rho_h, euclidean, float(np.sum(w**2)))
+
+
+def test_disagreement_curvature_against_its_equation():
+    """kappa = [sum_k Q(e_k) / sum_k |e_k|^2] / [Q(mean) / |mean|^2], e_k = Delta_k - mean, with equal weights."""
+    h = np.diag([4.0, 1.0, 0.5])
+    # the mean along the sharp axis, the disagreement along the flat one: kappa = 1 / 4
+    assert _kappa([[1.0, 1.0, 0.0], [1.0, -1.0, 0.0]], [1, 1], h) == pytest.approx(0.25)
+    # and the other way round: a flat mean, a sharp disagreement
+    assert _kappa([[1.0, 0.0, 1.0], [-1.0, 0.0, 1.0]], [1, 1], h) == pytest.approx(4.0 / 0.5)
+    # orthogonal updates on a diagonal H: the disagreement and the mean see the same curvature
+    assert _kappa([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [1, 1], h) == pytest.approx(1.0)
+    rng = np.random.default_rng(0)
+    updates = rng.normal(size=(5, 3))
+    mean = updates.mean(axis=0)
+    spread = updates - mean
+    by_hand = (np.einsum("ki,ij,kj->", spread, h, spread) / np.sum(spread**2)) / ((mean @ h @ mean) / (mean @ mean))
+    assert _kappa(updates, [1] * 5, h) == pytest.approx(by_hand)
+    # H = I: rho_H is 1/dS_w, so kappa is 1 whatever the updates and weights
+    assert _kappa(updates, [3, 1, 4, 1, 5], np.eye(3)) == pytest.approx(1.0)
+
+
+def test_disagreement_curvature_puts_rho_h_back_together():
+    """rho_H = 1 / (W2 + kappa (dS_w - W2)) for unequal weights too; the equality and cancelling cases say nothing."""
+    h, w = np.diag([2.0, 1.0, 0.25]), np.array([5.0, 3.0, 2.0])
+    updates = np.array([[1.0, 0.5, -0.2], [0.8, -0.3, 0.6], [1.2, 0.1, 0.4]])
+    wn = w / w.sum()
+    mean = wn @ updates
+    rho_h = (mean @ h @ mean) / sum(a**2 * (u @ h @ u) for a, u in zip(wn, updates, strict=True))
+    euclidean = cohort_statistics([[u] for u in updates], list(w))["recovery_weighted"]
+    kappa = _kappa(updates, w, h)
+    w2 = float(np.sum(wn**2))
+    assert 1 / (w2 + kappa * (1 / euclidean - w2)) == pytest.approx(rho_h)
+    assert math.isnan(_kappa([[1.0, 2.0, 3.0]] * 3, [1, 1, 1], h))  # equality: no disagreement to weigh
+    assert math.isnan(_kappa([[1.0, 0.0, 2.0], [-1.0, 0.0, -2.0]], [1, 1], h))  # cancelling: mean 0, rho_H 0
+    assert report.disagreement_curvature(math.inf, 2.0, 0.1) == pytest.approx(-0.1 / 0.4)  # a zero clients' sum
+    assert math.isnan(report.disagreement_curvature(-1.0, 2.0, 0.1))  # rho_H not positive
+    assert math.isnan(report.disagreement_curvature(2.0, 2.0, math.nan))  # no shard sizes
+
+
 def test_pooled_summary_reads_rounds_together():
     """Ratios of sums, each ratio's interval from its own generator (the same whether or not the other
     ratios' columns are there), the median 1/dS_w, rho_H's excess over it and the rounds with rho_H alone."""
@@ -61,7 +109,14 @@ def test_pooled_summary_reads_rounds_together():
     assert summary["rho_h"] == pytest.approx(9 / 6) and summary["rho_direct"] == pytest.approx(2.0)
     assert summary["rho_direct_low"] == summary["rho_direct_high"] == pytest.approx(2.0)
     assert summary["rho_h_excess"] == pytest.approx((9 / 6 - 1) / (3.0 - 1))
+    assert math.isnan(summary["disagreement_curvature"])  # no sum_sq_weights column
     assert math.isnan(summary["expansion_sync"])  # no predicted penalty
+    weighted = pooled_summary(rounds.assign(sum_sq_weights=[0.1, 0.2, 0.1]), seed=3)
+    assert weighted["sum_sq_weights"] == pytest.approx(0.1)
+    assert weighted["disagreement_curvature"] == pytest.approx((6 / 9 - 0.1) / (1 / 3.0 - 0.1))
+    kappa_ends = [weighted["disagreement_curvature_low"], weighted["disagreement_curvature_high"]]
+    by_hand = [(1 / summary[f"rho_h_{end}"] - 0.1) / (1 / 3.0 - 0.1) for end in ("high", "low")]
+    assert kappa_ends == pytest.approx(by_hand)
     alone = pooled_summary(rounds[["recovery_weighted", "q_mean", "q_clients"]], seed=3)
     assert alone["rho_h_alone"] == 0 and math.isnan(alone["rho_direct"])
     assert (alone["rho_h_low"], alone["rho_h_high"]) == (summary["rho_h_low"], summary["rho_h_high"])

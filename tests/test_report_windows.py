@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from test_report import NAN, rows, write_run
+from test_report import NAN, rows, write_run, write_shards
 
 from fedmask_app import report
 from fedmask_app.cli import report as report_cli
@@ -21,18 +21,20 @@ def _measured(q_mean, q_clients, flags, accuracy, num_clients=(10,) * 6) -> list
     return rows([1, 2, 3, 4, 5, 6], num_clients=list(num_clients), q_mean=list(q_mean), q_clients=list(q_clients),
                 rho_h_flag=flags, penalty_sync=list(2 * q_mean), penalty_ind=list(2 * q_clients),
                 penalty_sync_pred=list(q_mean), penalty_ind_pred=list(q_clients), test_accuracy=accuracy,
-                recovery_weighted=[r + 1.5 for r in range(1, 7)])
+                recovery_weighted=[r + 1.5 for r in range(1, 7)], cohort=[" ".join(map(str, range(10)))] * 6)
 
 
 @pytest.fixture
 def two_seeds(tmp_path):
-    """Seed 0 measured rounds 2, 3, 5 and the short round 6 (9 of 10 clients); seed 1 rounds 4 and 6."""
+    """Seed 0 measured rounds 2, 3, 5 and the short round 6 (9 of 10 clients); seed 1 rounds 4 and 6.
+    Seed 0 has a shards.csv (ten shards of 50: W2 = 0.1), seed 1 none."""
     s0 = write_run(tmp_path, "s0", {"seed": 0}, _measured(
         [NAN, 100, 2, NAN, 4, 50], [NAN, 1, 1, NAN, 1, 1], ["", "ok", "ok", "", "denominator_not_significant", "ok"],
         [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], num_clients=(10,) * 5 + (9,)))
     s1 = write_run(tmp_path, "s1", {"seed": 1}, _measured(
         [NAN, NAN, NAN, 1, NAN, 3], [NAN, NAN, NAN, 2, NAN, 1], ["", "", "", "ok", "", "ok"],
         [0.1, 0.2, 0.7, 0.8, 0.9, 1.0]))
+    write_shards(s0, [50] * 10)
     return s0, s1
 
 
@@ -49,6 +51,9 @@ def test_window_ratios_pool_the_runs_measured_full_rounds(two_seeds):
     assert pooled["rho_h_low"] <= 2.0 <= pooled["rho_h_high"] <= 4.0  # the rounds' own: 2, 4, 0.5, 3
     assert pooled["recovery_weighted"] == pytest.approx(6.0)
     assert pooled["rho_h_excess"] == pytest.approx((2.0 - 1) / (6.0 - 1))
+    assert pooled["sum_sq_weights"] == pytest.approx(0.1)  # seed 0's rounds; seed 1's are NaN
+    assert pooled["disagreement_curvature"] == pytest.approx((1 / 2.0 - 0.1) / (1 / 6.0 - 0.1))
+    assert pooled["disagreement_curvature_low"] == pytest.approx((1 / pooled["rho_h_high"] - 0.1) / (1 / 6.0 - 0.1))
     assert pooled["test_accuracy"] == pytest.approx(0.65)
     assert (early["measured"], early["rho_h"], early["rho_h_low"], early["rho_h_high"]) == (1, 100.0, 100.0, 100.0)
     assert early["recovery_weighted"] == pytest.approx(3.5) and early["test_accuracy"] == pytest.approx(0.15)

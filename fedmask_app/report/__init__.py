@@ -22,8 +22,10 @@ from fedmask_app.report.curvature import (
 )
 from fedmask_app.report.figures import decomposition_curve, fig1
 from fedmask_app.report.pooled import (
+    DERIVED_RATIOS,
     POOLED_NOTE,
     POOLED_RATIOS,
+    disagreement_curvature,
     excess_over_euclidean,
     format_pooled,
     pooled_cells,
@@ -95,18 +97,18 @@ from fedmask_app.report.windows import (
 )
 
 __all__ = [
-    "AT_ACCURACY_COLUMNS", "CELL_AT_ACCURACY_COLUMNS", "CONFIG_DEFAULTS", "CURVATURE_AT_ACCURACY_COLUMNS", "KEYS",
-    "MEASURES", "METRICS", "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW", "POOLED_NOTE", "POOLED_RATIOS",
-    "RECOVERY_METRICS", "REPORTED", "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHARPNESS_COLUMNS", "SHARPNESS_NOTE",
-    "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "WINDOWS", "SummaryError", "at_accuracy", "cell_at_accuracy",
-    "cell_labels", "cell_rounds", "cell_summary", "cell_windows", "check_levels", "compares_training",
-    "comparison_figure", "comparison_table", "config_keys", "curvature_at_accuracy", "curvature_figure",
-    "curvature_rounds_figure", "decomposition_curve", "excess_over_euclidean", "fig1", "find_run_dirs",
-    "format_cell_windows", "format_comparison", "format_curvature_at_accuracy", "format_excess", "format_interval",
-    "format_pooled", "format_pooled_windows", "format_table", "format_windows", "has_curvature", "incomplete_runs",
-    "join_reference", "load_runs", "local_steps", "measured_full_rounds", "measured_rounds", "measurement_columns",
-    "parse_window", "pooled_cells", "pooled_ratio", "protocol_deviations", "protocol_note", "read_reference",
-    "read_shards", "recovery_accuracy_figure", "rounds_window_ratios", "run_summary", "sharpness_figure",
-    "sharpness_table", "stability_edge", "step_edge", "table_columns", "table_note", "unmatched_reference",
-    "varying_keys", "window_ratios", "windowed_medians",
+    "AT_ACCURACY_COLUMNS", "CELL_AT_ACCURACY_COLUMNS", "CONFIG_DEFAULTS", "CURVATURE_AT_ACCURACY_COLUMNS",
+    "DERIVED_RATIOS", "KEYS", "MEASURES", "METRICS", "NOT_CELL_KEYS", "PAPER_ROUNDS", "PAPER_WINDOW", "POOLED_NOTE",
+    "POOLED_RATIOS", "RECOVERY_METRICS", "REPORTED", "ROUND_COLUMNS", "SHARDS_COLUMNS", "SHARPNESS_COLUMNS",
+    "SHARPNESS_NOTE", "SHORT_ROUNDS_LIMIT", "SPREAD_NOTE", "TRAINING_KEYS", "WINDOWS", "SummaryError", "at_accuracy",
+    "cell_at_accuracy", "cell_labels", "cell_rounds", "cell_summary", "cell_windows", "check_levels",
+    "compares_training", "comparison_figure", "comparison_table", "config_keys", "curvature_at_accuracy",
+    "curvature_figure", "curvature_rounds_figure", "decomposition_curve", "disagreement_curvature",
+    "excess_over_euclidean", "fig1", "find_run_dirs", "format_cell_windows", "format_comparison",
+    "format_curvature_at_accuracy", "format_excess", "format_interval", "format_pooled", "format_pooled_windows",
+    "format_table", "format_windows", "has_curvature", "incomplete_runs", "join_reference", "load_runs", "local_steps",
+    "measured_full_rounds", "measured_rounds", "measurement_columns", "parse_window", "pooled_cells", "pooled_ratio",
+    "protocol_deviations", "protocol_note", "read_reference", "read_shards", "recovery_accuracy_figure",
+    "rounds_window_ratios", "run_summary", "sharpness_figure", "sharpness_table", "stability_edge", "step_edge",
+    "table_columns", "table_note", "unmatched_reference", "varying_keys", "window_ratios", "windowed_medians",
 ]

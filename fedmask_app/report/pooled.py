@@ -14,9 +14,15 @@ POOLED_RATIOS, numerator over denominator:
 * expansion_sync, expansion_ind = Σ measured / Σ second-order predicted penalty (1: the expansion
   holds).
 Beside them the median 1/ΔS_w over the same rounds, the Euclidean factor they are read against,
-and rho_h_excess = (ρ_H − 1) / (1/ΔS_w − 1): ρ_H's excess over 1 as a multiple of the Euclidean
-factor's (1: the proxy is right; above 1: it understates how much penalty survives averaging), its
-interval ρ_H's with that median held fixed.
+and two readings of ρ_H against it (DERIVED_RATIOS), each with the interval of ρ_H's ends, that
+median held fixed:
+* rho_h_excess = (ρ_H − 1) / (1/ΔS_w − 1): ρ_H's excess over 1 as a multiple of the Euclidean
+  factor's (1: the proxy is right; above 1: it understates how much penalty survives averaging);
+* disagreement_curvature κ = (1/ρ_H − W₂) / (ΔS_w − W₂), W₂ = Σ_k w_k² (the rounds' median): the
+  curvature along the clients' disagreement relative to the mean update's (disagreement_curvature
+  says how; 1: the proxy is right; below 1: the disagreement is flatter). The excess multiple's
+  denominator vanishes as 1/ΔS_w nears 1 and κ's as 1/ΔS_w nears its ceiling 1/W₂, so each reads
+  best where the other does not.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ POOLED_RATIOS = {
     "expansion_sync": ("penalty_sync", "penalty_sync_pred"),
     "expansion_ind": ("penalty_ind", "penalty_ind_pred"),
 }
+DERIVED_RATIOS = ("rho_h_excess", "disagreement_curvature")
 RESAMPLES = 2000
 LEVEL = 0.95
 POOLED_NOTE = (f"numerator and denominator each summed over the window's measured full rounds, seeds together; "
@@ -72,6 +79,27 @@ def excess_over_euclidean(rho: float, euclidean: float) -> float:
     return (rho - 1) / (euclidean - 1) if euclidean > 1 else float("nan")
 
 
+def disagreement_curvature(rho_h: float, recovery_weighted: float, sum_sq_weights: float) -> float:
+    """κ = (1/ρ_H − W₂) / (ΔS_w − W₂) with W₂ = Σ_k w_k² and ΔS_w = 1 / (1/ΔS_w).
+
+    With Δ̄ = Σ_k w_k Δ_k, 1/ρ_H − W₂ = [Σ_k w_k² Q(Δ_k) − W₂ Q(Δ̄)] / Q(Δ̄): what the clients' sum
+    holds beyond the W₂ Q(Δ̄) that identical updates would give, relative to the mean update's
+    Q; ΔS_w − W₂ is the same in the Euclidean norm. So ρ_H = 1 / (W₂ + κ (ΔS_w − W₂)): the
+    curvature-weighted factor is the Euclidean one with the disagreement's share scaled by κ. With
+    equal weights (w_k = 1/K_c) and e_k = Δ_k − Δ̄, κ = [Σ_k Q(e_k) / Σ_k ‖e_k‖²] / [Q(Δ̄) / ‖Δ̄‖²],
+    the curvature along the clients' disagreement per unit squared norm over the mean update's;
+    unequal weights add cross terms of the order of the shard sizes' spread. κ = 1: the Euclidean
+    proxy is exact (as with H = I); below 1 the disagreement lies in flatter directions than the
+    mean update and more of the penalty survives averaging than 1/ΔS_w says; above 1, less.
+
+    NaN where there is no disagreement to weigh (ΔS_w ≤ W₂) or ρ_H is not positive; ρ_H = ∞ (a
+    zero clients' sum) gives −W₂ / (ΔS_w − W₂)."""
+    if not (rho_h > 0 and recovery_weighted > 0 and sum_sq_weights > 0):
+        return float("nan")
+    euclidean = 1 / recovery_weighted - sum_sq_weights
+    return (1 / rho_h - sum_sq_weights) / euclidean if euclidean > 0 else float("nan")
+
+
 def pooled_ratios(rows: pd.DataFrame, ratios: Sequence[str], rng: np.random.Generator) -> dict[str, float]:
     """Each of ``ratios`` (POOLED_RATIOS keys) pooled over ``rows`` (pooled_ratio of the rows that have
     both its columns), as ``<ratio>``, ``<ratio>_low``, ``<ratio>_high``; NaNs where no row has them.
@@ -85,11 +113,21 @@ def pooled_ratios(rows: pd.DataFrame, ratios: Sequence[str], rng: np.random.Gene
     return out
 
 
-def rho_h_excess(row: dict) -> dict[str, float]:
-    """``rho_h_excess`` and its ends: excess_over_euclidean of a pooled row's rho_h and its ends against
-    its ``recovery_weighted``."""
-    return {f"rho_h_excess{part}": excess_over_euclidean(row[f"rho_h{part}"], row["recovery_weighted"])
-            for part in ("", "_low", "_high")}
+def rho_h_derived(row: dict) -> dict[str, float]:
+    """DERIVED_RATIOS and their ends from a pooled row's rho_h and its ends, against its
+    ``recovery_weighted`` (and ``sum_sq_weights``, NaN when absent): excess_over_euclidean rises
+    with ρ_H and disagreement_curvature falls, so κ's low end is ρ_H's high end's."""
+    euclidean, w2 = row["recovery_weighted"], row.get("sum_sq_weights", float("nan"))
+    out = {}
+    for part, other in (("", ""), ("_low", "_high"), ("_high", "_low")):
+        out[f"rho_h_excess{part}"] = excess_over_euclidean(row[f"rho_h{part}"], euclidean)
+        out[f"disagreement_curvature{part}"] = disagreement_curvature(row[f"rho_h{other}"], euclidean, w2)
+    return out
+
+
+def median_sum_sq_weights(rows: pd.DataFrame) -> float:
+    """The median W₂ = Σ_k w_k² of ``rows`` (load_runs' sum_sq_weights), NaN without the column."""
+    return float(rows["sum_sq_weights"].median()) if "sum_sq_weights" in rows else float("nan")
 
 
 def rho_h_alone(rows: pd.DataFrame) -> int:
@@ -100,12 +138,13 @@ def rho_h_alone(rows: pd.DataFrame) -> int:
 def pooled_summary(rows: pd.DataFrame, seed: int = 0) -> dict[str, float]:
     """Measured rounds ``rows`` read together: the median 1/ΔS_w over them (``recovery_weighted``),
     rho_h_alone, each of POOLED_RATIOS with its interval (a generator seeded with ``seed`` anew for
-    each ratio, so one ratio's interval does not depend on which others are drawn) and
-    rho_h_excess with its ends."""
-    row = {"recovery_weighted": rows["recovery_weighted"].median(), "rho_h_alone": rho_h_alone(rows)}
+    each ratio, so one ratio's interval does not depend on which others are drawn), the median W₂
+    (``sum_sq_weights``) and DERIVED_RATIOS with their ends."""
+    row = {"recovery_weighted": rows["recovery_weighted"].median(), "sum_sq_weights": median_sum_sq_weights(rows),
+           "rho_h_alone": rho_h_alone(rows)}
     for ratio in POOLED_RATIOS:
         row.update(pooled_ratios(rows, [ratio], np.random.default_rng(seed)))
-    return row | rho_h_excess(row)
+    return row | rho_h_derived(row)
 
 
 def window_measured_rounds(rounds: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
@@ -129,8 +168,8 @@ def pooled_cells(rounds: pd.DataFrame, runs: pd.DataFrame, seed: int = 0) -> pd.
     """One row per cell of ``runs`` (report.run_summary) that has measured rounds: its keys, T (local
     steps a round for its mean shard, as in cell_summary), its runs and measured rounds, the window's
     rounds, the median 1/ΔS_w over those rounds, how many of them had a ρ_H measurable alone (flag
-    "ok"), each of POOLED_RATIOS with ``<ratio>_low`` / ``<ratio>_high``, and rho_h_excess with its
-    ends (``excess_over_euclidean`` of rho_h's)."""
+    "ok"), each of POOLED_RATIOS with ``<ratio>_low`` / ``<ratio>_high``, the median W₂
+    (``sum_sq_weights``) and DERIVED_RATIOS with their ends (rho_h_derived)."""
     measured = window_measured_rounds(rounds, runs)
     out = []
     for cell_id, group in runs.groupby("cell_id", sort=False):
@@ -155,7 +194,7 @@ def format_pooled(cells: pd.DataFrame) -> str:
     shown = cells[["cell", "T", "n_runs", "rounds", "measured_rounds", "recovery_weighted", "rho_h_alone"]].copy()
     shown["recovery_weighted"] = shown["recovery_weighted"].map(lambda v: f"{v:.3f}")
     shown["T"] = shown["T"].map(lambda v: f"{v:.0f}")
-    for ratio in [*POOLED_RATIOS, "rho_h_excess"]:
+    for ratio in [*POOLED_RATIOS, *DERIVED_RATIOS]:
         shown[ratio] = [f"{v:.2f} ({lo:.2f}-{hi:.2f})" for v, lo, hi in
                         cells[[ratio, f"{ratio}_low", f"{ratio}_high"]].itertuples(index=False)]
     return shown.to_string(index=False)

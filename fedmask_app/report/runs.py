@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedmask_app.report.shards import cohort_shard_range, read_shards
+from fedmask_app.report.shards import cohort_shard_range, cohort_sum_sq_weights, read_shards
 from fedmask_app.run.schema import CONFIG_FILE, ROUND_COLUMNS, ROUNDS_FILE, SHARDS_FILE
 
 # The statistics the paper reports per configuration (median over the window, then over seeds).
@@ -26,9 +26,9 @@ REPORTED = (*METRICS, "pct_below_1")
 # The paper's table keys: batch size, local epochs, Dirichlet concentration.
 KEYS = ("bs", "tau", "alpha")
 # Columns load_runs adds to the per-round rows besides rounds.csv's and the run-config keys:
-# engine is config.json's "engine"; shard_min / shard_max the round's smallest and largest n_k
-# (from shards.csv, NaN without it).
-META_COLUMNS = ("run", "run_name", "bs", "tau", "K_c", "engine", "shard_min", "shard_max")
+# engine is config.json's "engine"; shard_min / shard_max the round's smallest and largest n_k and
+# sum_sq_weights its Σ_k w_k² with w_k = n_k / Σ n (from shards.csv, NaN without it).
+META_COLUMNS = ("run", "run_name", "bs", "tau", "K_c", "engine", "shard_min", "shard_max", "sum_sq_weights")
 # Run-config keys that do not define a cell: the seed (the cell's median runs across it) and the
 # keys that only say where or how a run executes, not what it measures.
 # (vectorize: the vectorised cohort step equals the sequential one; client-streams: the sequential
@@ -124,18 +124,19 @@ def _read_config(path: Path) -> tuple[dict, str | None]:
     return normalize_config(config), engine if isinstance(engine, str) else None
 
 
-def _shard_range(run_dir: Path, rounds: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
-    """Per round, the smallest and largest shard of the cohort (shards.csv), or NaN (with a warning
-    if the file is there but cannot be used)."""
+def _shard_columns(run_dir: Path, rounds: pd.DataFrame) -> dict[str, pd.Series]:
+    """Per round, the smallest and largest shard of the cohort and the sum of its squared
+    aggregation weights (shards.csv), or NaN (with a warning if the file is there but cannot be used)."""
     nan = pd.Series(np.nan, index=rounds.index)
     try:
         sizes = read_shards(run_dir)
         if sizes is None or "cohort" not in rounds:
-            return nan, nan
-        return cohort_shard_range(rounds["cohort"], sizes)
+            return {"shard_min": nan, "shard_max": nan, "sum_sq_weights": nan}
+        low, high = cohort_shard_range(rounds["cohort"], sizes)
+        return {"shard_min": low, "shard_max": high, "sum_sq_weights": cohort_sum_sq_weights(rounds["cohort"], sizes)}
     except (ValueError, OSError) as exc:
         warnings.warn(f"{run_dir}: {SHARDS_FILE} not used: {exc}", stacklevel=3)
-        return nan, nan
+        return {"shard_min": nan, "shard_max": nan, "sum_sq_weights": nan}
 
 
 def full_rounds(rows: pd.DataFrame, k_c: object) -> pd.Series:
@@ -165,12 +166,13 @@ def load_runs(dirs: Iterable[str | Path]) -> pd.DataFrame:
     """Per-round rows of every run under ``dirs``, with the run-config keys as columns.
 
     Extra columns: ``run`` (the run folder), ``run_name`` (its name), ``bs`` ("32", "full"),
-    ``tau`` (local epochs), ``K_c`` (clients per round), ``engine`` (config.json's, None if absent)
-    and ``shard_min`` / ``shard_max`` (the smallest and largest shard of the round's cohort, from the
-    run's optional shards.csv; NaN without it). The config is normalize_config'd: CONFIG_DEFAULTS for
-    keys older runs lack, "precision" for "bf16". A run without any round yet gives one
-    row with ``round`` NaN, so it is still counted (as incomplete). Folders that cannot be read are
-    skipped with a warning; none at all raises SummaryError.
+    ``tau`` (local epochs), ``K_c`` (clients per round), ``engine`` (config.json's, None if absent),
+    ``shard_min`` / ``shard_max`` (the smallest and largest shard of the round's cohort) and
+    ``sum_sq_weights`` (its Σ_k w_k², w_k = n_k / Σ n), the last three from the run's optional
+    shards.csv, NaN without it. The config is normalize_config'd: CONFIG_DEFAULTS for keys older
+    runs lack, "precision" for "bf16". A run without any round yet gives one row with ``round``
+    NaN, so it is still counted (as incomplete). Folders that cannot be read are skipped with a
+    warning; none at all raises SummaryError.
     """
     frames = []
     run_dirs = find_run_dirs(dirs)
@@ -187,7 +189,7 @@ def load_runs(dirs: Iterable[str | Path]) -> pd.DataFrame:
             "run": str(run_dir), "run_name": run_dir.name, "bs": bs_label(config.get("batch-size")),
             "tau": config.get("local-epochs"), "K_c": config.get("clients-per-round"), "engine": engine,
         }
-        meta["shard_min"], meta["shard_max"] = _shard_range(run_dir, rounds)
+        meta.update(_shard_columns(run_dir, rounds))
         extra = {**{k: v for k, v in config.items() if k not in rounds.columns}, **meta}
         frames.append(rounds.assign(**{k: v if isinstance(v, pd.Series) else [v] * len(rounds)
                                        for k, v in extra.items()}))

@@ -26,7 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedmask_app.report.figures import log_recovery_axis
-from fedmask_app.report.pooled import POOLED_RATIOS, pooled_summary
+from fedmask_app.report.pooled import DERIVED_RATIOS, POOLED_RATIOS, pooled_summary
 from fedmask_app.report.runs import full_rounds
 from fedmask_app.report.tables import RECOVERY_METRICS
 from fedmask_app.report.windows import format_interval, measured_full_rounds
@@ -37,8 +37,8 @@ _ACROSS_SEEDS = ("round", "test_accuracy", *RECOVERY_METRICS, "sigma2_over_mu2")
 CELL_AT_ACCURACY_COLUMNS = ("cell", "level", "n_runs", "n_reached", *_ACROSS_SEEDS, "recovery_min", "recovery_max")
 _INTERVALS = ("", "_low", "_high")
 CURVATURE_AT_ACCURACY_COLUMNS = ("cell", "level", "n_runs", "n_reached", "round", "test_accuracy", "measured",
-                                 "recovery_weighted", "rho_h_alone",
-                                 *(f"{r}{part}" for r in [*POOLED_RATIOS, "rho_h_excess"] for part in _INTERVALS))
+                                 "recovery_weighted", "sum_sq_weights", "rho_h_alone",
+                                 *(f"{r}{part}" for r in [*POOLED_RATIOS, *DERIVED_RATIOS] for part in _INTERVALS))
 
 
 def windowed_medians(group: pd.DataFrame, window: int) -> pd.DataFrame:
@@ -115,7 +115,8 @@ def curvature_at_accuracy(rounds: pd.DataFrame, table: pd.DataFrame, seed: int =
     (windows.measured_full_rounds) in rounds round − window_rounds + 1 .. round, where it first
     reaches it, and those rounds, its seeds together, give each POOLED_RATIOS ratio with its 95%
     interval (a generator seeded with ``seed`` anew for each cell, level and ratio, as in
-    pooled_cells), the median 1/ΔS_w over them, rho_h_excess and how many had a ρ_H measurable alone.
+    pooled_cells), the median 1/ΔS_w and W₂ over them, DERIVED_RATIOS and how many had a ρ_H measurable
+    alone.
     ``round`` and ``test_accuracy``: medians across the runs that reach the level. Ratios NaN where no
     measured round falls in those windows; cells without a measured round at any level left out."""
     measured = measured_full_rounds(rounds)
@@ -144,7 +145,7 @@ def format_curvature_at_accuracy(table: pd.DataFrame) -> str:
     shown["test_accuracy"] = shown["test_accuracy"].map(lambda v: f"{v:.3f}")
     shown["1/dS_w"] = table["recovery_weighted"].map(lambda v: f"{v:.3f}")
     records = table.to_dict("records")
-    for ratio in [*POOLED_RATIOS, "rho_h_excess"]:
+    for ratio in [*POOLED_RATIOS, *DERIVED_RATIOS]:
         shown[ratio] = [format_interval(r, ratio).strip() for r in records]
     return shown.to_string(index=False)
 

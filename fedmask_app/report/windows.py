@@ -20,7 +20,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedmask_app.report.pooled import POOLED_RATIOS, pooled_ratios, rho_h_alone, rho_h_excess
+from fedmask_app.report.pooled import (
+    DERIVED_RATIOS,
+    POOLED_RATIOS,
+    median_sum_sq_weights,
+    pooled_ratios,
+    rho_h_alone,
+    rho_h_derived,
+)
 from fedmask_app.report.runs import SummaryError, full_rounds, load_runs
 from fedmask_app.report.tables import in_paper_order, local_steps
 
@@ -33,7 +40,8 @@ def window_ratios(run_dirs: Sequence[str | Path], rng: np.random.Generator,
     """One row per window of ``run_dirs`` (run folders) pooled: ``start``, ``end``, ``runs``,
     ``measured`` (the runs' measured full rounds in it), ``recovery_weighted`` (their median
     1/ΔS_w), each of ``ratios`` (POOLED_RATIOS keys) with ``<ratio>_low`` / ``<ratio>_high``,
-    ``rho_h_excess`` with its ends (excess_over_euclidean of rho_h's, when rho_h is among ``ratios``),
+    ``sum_sq_weights`` (their median W₂), DERIVED_RATIOS with their ends (rho_h_derived, when rho_h is
+    among ``ratios``),
     ``rho_h_alone`` (measured rounds whose ρ_H is measurable alone: flag "ok") and
     ``test_accuracy`` (median over every round of the window, all runs)."""
     for run_dir in run_dirs:
@@ -67,10 +75,10 @@ def rounds_window_ratios(rounds: pd.DataFrame, rng: np.random.Generator,
     for start, end in windows:
         rows = measured[measured["round"].between(start, end)]
         row = {"start": start, "end": end, "runs": rounds["run"].nunique(), "measured": len(rows),
-               "recovery_weighted": rows["recovery_weighted"].median()}
+               "recovery_weighted": rows["recovery_weighted"].median(), "sum_sq_weights": median_sum_sq_weights(rows)}
         row.update(pooled_ratios(rows, ratios, rng))
         if "rho_h" in ratios:
-            row.update(rho_h_excess(row))
+            row.update(rho_h_derived(row))
         row["rho_h_alone"] = rho_h_alone(rows)
         row["test_accuracy"] = rounds.loc[rounds["round"].between(start, end), "test_accuracy"].median()
         out.append(row)
@@ -153,7 +161,7 @@ def format_cell_windows(table: pd.DataFrame) -> str:
     shown["T"] = shown["T"].map(lambda v: f"{v:.0f}")
     shown["recovery_weighted"] = shown["recovery_weighted"].map(lambda v: f"{v:.3f}")
     records = table.to_dict("records")
-    for ratio in [*POOLED_RATIOS, "rho_h_excess"]:
+    for ratio in [*POOLED_RATIOS, *DERIVED_RATIOS]:
         shown[ratio] = [f"{r[ratio]:.2f} ({r[f'{ratio}_low']:.2f}-{r[f'{ratio}_high']:.2f})" for r in records]
     shown["test_accuracy"] = table["test_accuracy"].map(lambda v: f"{v:.3f}")
     return shown.to_string(index=False)
