@@ -21,8 +21,8 @@ median held fixed:
 * disagreement_curvature κ = (1/ρ_H − W₂) / (ΔS_w − W₂), W₂ = Σ_k w_k² (the rounds' median): the
   curvature along the clients' disagreement relative to the mean update's (disagreement_curvature
   says how; 1: the proxy is right; below 1: the disagreement is flatter). The excess multiple's
-  denominator vanishes as 1/ΔS_w nears 1 and κ's as 1/ΔS_w nears its ceiling 1/W₂, so each reads
-  best where the other does not.
+  denominator vanishes as 1/ΔS_w nears 1 and κ's as 1/ΔS_w nears 1/W₂ (its ceiling K_c with equal
+  shards), so each reads best where the other does not.
 """
 
 from __future__ import annotations
