@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from test_report import NAN, rows, write_run, write_shards
+from test_report import NAN, PNG_MAGIC, rows, write_run, write_shards
 
 from fedmask_app import report
 from fedmask_app.cli import report as report_cli
@@ -141,6 +141,7 @@ def test_cell_windows_pool_each_cells_seeds_with_a_stream_of_its_own(tmp_path, t
     assert "curvature pooled per cell in each window" in printed and "2.00 (" in printed
     written = pd.read_csv(out / "curvature_windows.csv")
     assert written["rho_h"].tolist()[:3] == pytest.approx([2.0, 100.0, 11 / 3]) and math.isnan(written["rho_h"][3])
+    assert (out / "curvature_windows.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_curvature_windows_bad_or_empty(tmp_path, two_seeds, capsys):
@@ -152,4 +153,5 @@ def test_curvature_windows_bad_or_empty(tmp_path, two_seeds, capsys):
     out = tmp_path / "report"
     assert report_cli.main([str(tmp_path), "--window", "4", "--out", str(out), "--curvature-windows", "7-9"]) == 0
     assert "no run has curvature measurements in these windows" in capsys.readouterr().err
-    assert not (out / "curvature_windows.csv").exists() and (out / "summary.csv").exists()
+    assert not (out / "curvature_windows.csv").exists() and not (out / "curvature_windows.png").exists()
+    assert (out / "summary.csv").exists()

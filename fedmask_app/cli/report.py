@@ -21,8 +21,8 @@ step and against a local SGD step's edge 2 (1 + momentum) / lr − weight-decay
 (fedmask_app/report/sharpness.py), and the first measured round at or above each; comparison.csv
 and comparison.png when the runs differ in mask-mode, server-step or mask-granularity;
 at_accuracy.csv, at_accuracy_cells.csv and recovery_vs_accuracy.png with --at-accuracy, and
-curvature_at_accuracy.csv when runs have curvature measurements; curvature_windows.csv with
---curvature-windows.
+curvature_at_accuracy.csv when runs have curvature measurements; curvature_windows.csv and
+curvature_windows.png with --curvature-windows.
 
 --at-accuracy LEVEL...: each run read where it first reaches a test accuracy instead of at its last
 round, so runs at different stages of training (another model, optimizer, split) compare at equal
@@ -36,7 +36,7 @@ rho_H of two models compares at one stage of training.
 --curvature-windows FIRST-LAST...: the curvature ratios of curvature_pooled.csv in each of these
 windows of rounds instead of the paper's window alone (e.g. 5-50 51-100 101-150 151-200), per cell
 its seeds' measured full rounds pooled, with the test accuracy over each window's rounds
-(fedmask_app/report/windows.py).
+(fedmask_app/report/windows.py), and a figure of ρ_H against 1/ΔS_w and of κ window by window.
 """
 
 from __future__ import annotations
@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ncurvature pooled per cell in each window ({report.POOLED_NOTE}; test accuracy: the median over "
                   "every round of the window):")
             print(report.format_cell_windows(by_window))
-            written.append(out / "curvature_windows.csv")
-            by_window.to_csv(written[-1], index=False)
+            written += [out / "curvature_windows.csv", out / "curvature_windows.png"]
+            by_window.to_csv(written[-2], index=False)
+            report.curvature_windows_figure(by_window, written[-1])
         else:
             _warn("--curvature-windows: no run has curvature measurements in these windows; nothing written")
     if report.has_curvature(rounds):

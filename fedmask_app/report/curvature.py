@@ -231,3 +231,50 @@ def curvature_figure(cells: pd.DataFrame, path: str | Path | None = None) -> Fig
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+def curvature_windows_figure(table: pd.DataFrame, path: str | Path | None = None) -> Figure:
+    """A cell_windows table (report/windows.py) drawn window by window, one colour per cell, x the
+    window's middle round: left, ρ_H with its 95% interval (filled) against 1/ΔS_w (open, dashed);
+    right, κ (disagreement_curvature) with its interval against 1, the Euclidean proxy. κ's axis
+    spans its values and 0 to 1.5; an interval that runs past it is cut off. Saved as PNG if
+    ``path``."""
+    fig = Figure(figsize=(13, 5.2), layout="constrained")
+    recovery, kappa = fig.subplots(1, 2)
+    cells = list(dict.fromkeys(table["cell"]))
+    widths = (table["end"] - table["start"]).to_numpy(dtype=float)
+    nudge = 0.25 * (float(np.nanmin(widths)) + 1 if len(widths) else 1.0) / max(1, len(cells))
+    shown, kappas = [], []
+    for i, cell in enumerate(cells):
+        rows = table[table["cell"] == cell]
+        x = (rows["start"] + rows["end"]).to_numpy(dtype=float) / 2 + (i - (len(cells) - 1) / 2) * nudge
+        colour, label = f"C{i % 10}", f"{cell}, T {rows['T'].iloc[0]:.0f}"
+        for axis, column, values in ((recovery, "rho_h", shown), (kappa, "disagreement_curvature", kappas)):
+            y = rows[column].to_numpy(dtype=float)
+            ends = np.abs(np.vstack([y - rows[f"{column}_low"].to_numpy(dtype=float),
+                                     rows[f"{column}_high"].to_numpy(dtype=float) - y]))
+            axis.errorbar(x, y, yerr=np.nan_to_num(ends), fmt="o-", markersize=4, linewidth=1, capsize=3,
+                          color=colour, label=label)
+            values += [v for v in y if np.isfinite(v)]
+        euclidean = rows["recovery_weighted"].to_numpy(dtype=float)
+        recovery.plot(x, euclidean, "o--", markersize=4, linewidth=1, color=colour, markerfacecolor="white")
+        shown += [v for v in euclidean if np.isfinite(v)]
+    if shown and min(shown) > 0:
+        log_recovery_axis(recovery, min(shown) / 1.2, max(shown) * 1.2)
+    recovery.axhline(1, color="grey", linestyle=":", linewidth=1)
+    recovery.set_xlabel("window (its middle round)")
+    recovery.set_ylabel("ρ_H (filled, 95% interval) and 1/ΔS_w (open, dashed)")
+    recovery.set_title("Curvature-weighted against Euclidean recovery, window by window", fontsize=10)
+    recovery.legend(fontsize=7)
+    kappa.axhline(1, color="black", linestyle=":", linewidth=1, label="κ = 1: the Euclidean proxy")
+    if kappas:
+        kappa.set_ylim(min(0.0, min(kappas)) - 0.1, max(1.5, max(kappas)) + 0.25)
+    kappa.set_xlabel("window (its middle round)")
+    kappa.set_ylabel("κ: curvature along the disagreement / along the mean update")
+    kappa.set_title("Where the clients disagree: κ < 1 flatter, κ > 1 sharper than the mean update", fontsize=10)
+    kappa.legend(fontsize=7)
+    fig.suptitle("Curvature per cell in each window (seeds pooled; intervals from resampling the measured rounds)",
+                 fontsize=10)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
