@@ -52,9 +52,9 @@ sys.exit(1 if pulled else 0)
 DATA_PY='
 import sys
 from pathlib import Path
-from fedmask_app.run.data import dataset_sha256, load_cifar10
+from fedmask_app.run.data import dataset_sha256, load_dataset
 data_dir = Path(sys.argv[1]).resolve()
-data = load_cifar10(data_dir)  # verifies the content sha256
+data = load_dataset(data_dir)  # verifies the content sha256
 print(f"{data_dir}: train {data.x_train.shape}, test {data.x_test.shape}, content sha256 {data.sha256}")
 sys.exit(0 if dataset_sha256(data_dir) == data.sha256 else 1)
 '

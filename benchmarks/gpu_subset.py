@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedmask_app.run.data import SUBSET_FILE_NAME, load_cifar10, resolve_data_dir, write_subset
+from fedmask_app.run.data import SUBSET_FILE_NAME, load_dataset, resolve_data_dir, write_subset
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / ".gpu-data"
 
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> Path:
     """Write the subset and print its path, size and hash; return the path."""
     args = parse_args(argv)
-    full = load_cifar10(resolve_data_dir(args.data_dir))
+    full = load_dataset(resolve_data_dir(args.data_dir))
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     path = out / SUBSET_FILE_NAME

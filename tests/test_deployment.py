@@ -29,7 +29,7 @@ from fedmask_app.cli import export_shards
 from fedmask_app.deploy.shards import check_shard_matches, load_shard_file
 from fedmask_app.run.client_task import client_shards
 from fedmask_app.run.config import load_run_config
-from fedmask_app.run.data import CONTENT_SHA256, FILE_NAME, load_cifar10
+from fedmask_app.run.data import CONTENT_SHA256, FILE_NAME, load_dataset
 from fedmask_app.run.results import COLUMNS
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -71,12 +71,12 @@ def check_export(out: Path, overrides: list[str], max_shard_size: int) -> None:
     assert export_shards.main([str(out), *overrides]) == 0
 
     cfg = load_run_config(overrides)
-    data = load_cifar10(SHARED_DATA.resolve())
+    data = load_dataset(SHARED_DATA.resolve())
     expected = client_shards(cfg, data.y_train)
     manifest = json.loads((out / "shards.json").read_text())
     assert manifest["config"] == {
-        "seed": 7, "num-clients": 3, "alpha": 0.5, "min-partition-size": 10, "max-shard-size": max_shard_size,
-        "identical-shards": False,
+        "dataset": "cifar10", "seed": 7, "num-clients": 3, "alpha": 0.5, "min-partition-size": 10,
+        "max-shard-size": max_shard_size, "identical-shards": False,
     }
     assert manifest["data-sha256"] == CONTENT_SHA256
     assert [p["partition-id"] for p in manifest["partitions"]] == [0, 1, 2]

@@ -78,6 +78,16 @@ def test_rounds_csv_determinism_and_local_engine_agree(flower, tmp_path):
     pd.testing.assert_frame_equal(first.drop(columns=NOT_COMPARED), local.drop(columns=NOT_COMPARED))
 
 
+def test_fashion_mnist_trains_through_flower_as_through_the_local_engine(flower, tmp_path, fashion_mnist_dir):
+    overrides = {"dataset": "fashion-mnist", "model": "cnn-fedavg", "data-dir": str(fashion_mnist_dir), "threads": 1}
+    rows, log = run_flower(flower, tmp_path, "fashion", **overrides)
+    assert rows["round"].tolist() == [1, 2] and rows["test_accuracy"].notna().all(), log
+    values = tiny(tmp_path, **{**overrides, "run-name": "fashion-local"})
+    run_local(load_run_config([str(write_run_config(tmp_path / "fashion-local.toml", values))]), echo=lambda _: None)
+    local = pd.read_csv(tmp_path / "fashion-local" / "rounds.csv")
+    pd.testing.assert_frame_equal(rows.drop(columns=NOT_COMPARED), local.drop(columns=NOT_COMPARED))
+
+
 def test_identical_shards_control_gives_the_ceiling(flower, tmp_path):
     rows, log = run_flower(
         flower, tmp_path, "control", **{"identical-shards": True, "clients-per-round": 4, "mask-mode": "synchronized"}

@@ -15,7 +15,7 @@ import pytest
 from flwr_runner import PROJECT, SHARED_DATA
 
 from fedmask_app.run import data
-from fedmask_app.run.data import DataError, dataset_sha256, load_cifar10, write_subset
+from fedmask_app.run.data import DataError, dataset_sha256, load_dataset, write_subset
 
 pytestmark = pytest.mark.skipif(not (SHARED_DATA / data.FILE_NAME).is_file(), reason=f"no {SHARED_DATA}")
 
@@ -25,7 +25,7 @@ def subset_dir(tmp_path: Path) -> Path:
     """A folder holding only a 600 + 100 image subset."""
     folder = tmp_path / "subset"
     folder.mkdir()
-    write_subset(load_cifar10(SHARED_DATA), folder / data.SUBSET_FILE_NAME, 600, 100)
+    write_subset(load_dataset(SHARED_DATA), folder / data.SUBSET_FILE_NAME, 600, 100)
     return folder
 
 
@@ -35,8 +35,8 @@ def _arrays_and_meta(path: Path) -> dict[str, np.ndarray]:
 
 
 def test_a_subset_loads_verified_and_names_itself(subset_dir):
-    full = load_cifar10(SHARED_DATA)
-    subset = load_cifar10(subset_dir)
+    full = load_dataset(SHARED_DATA)
+    subset = load_dataset(subset_dir)
     assert subset.x_train.shape == (600, 32, 32, 3) and subset.y_test.shape == (100,)
     np.testing.assert_array_equal(subset.x_train, full.x_train[:600])
     np.testing.assert_array_equal(subset.y_test, full.y_test[:100])
@@ -56,13 +56,13 @@ def test_a_corrupt_or_foreign_subset_is_refused(subset_dir, change):
         arrays["subset_of"] = np.array("0" * 64)
     np.savez(path, **arrays)
     with pytest.raises(DataError, match="corrupt" if change == "pixels" else "not of CIFAR-10"):
-        load_cifar10(subset_dir)
+        load_dataset(subset_dir)
 
 
 def test_a_folder_with_both_files_is_refused(subset_dir):
     (subset_dir / data.FILE_NAME).symlink_to(SHARED_DATA.resolve() / data.FILE_NAME)
     with pytest.raises(DataError, match="holds both"):
-        load_cifar10(subset_dir)
+        load_dataset(subset_dir)
 
 
 def test_a_run_on_a_subset_records_the_subsets_hash(subset_dir, tmp_path):
@@ -75,7 +75,7 @@ def test_a_run_on_a_subset_records_the_subsets_hash(subset_dir, tmp_path):
     })
     run_local(cfg, echo=lambda _: None)
     recorded = json.loads((cfg.run_dir / "config.json").read_text())["data_sha256"]
-    assert recorded == load_cifar10(subset_dir).sha256
+    assert recorded == load_dataset(subset_dir).sha256
 
 
 @pytest.mark.slow
@@ -86,7 +86,7 @@ def test_the_gpu_check_script_completes_in_cpu_smoke_mode(subset_dir):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "flwr/ray modules pulled in: []" in out
-    assert f"content sha256 {load_cifar10(subset_dir).sha256}" in out
+    assert f"content sha256 {load_dataset(subset_dir).sha256}" in out
     assert "SKIPPED (no CUDA device)" in out
     assert "PROJECTION from measured rounds" in out and "projection float32  vectorised" in out
     assert "float32  vectorised     full-tau1 : host / device-resident seconds per round = " in out

@@ -57,7 +57,7 @@ from clients.seeds import batch_order_seed, independent_mask_seed, synchronized_
 from fedmask_app.engines.local import run_local
 from fedmask_app.run.client_task import client_shards
 from fedmask_app.run.config import RunConfig, load_run_config
-from fedmask_app.run.data import CHANNEL_MEAN, CHANNEL_STD, load_cifar10, resolve_data_dir
+from fedmask_app.run.data import CHANNEL_MEAN, CHANNEL_STD, load_dataset, resolve_data_dir
 from fedmask_app.run.model import initial_parameters
 from fedmask_app.run.results import RunResults
 from strategies.cohort import sample_cohort
@@ -118,7 +118,7 @@ def reference_run(cfg: RunConfig, bug: str | None = None) -> Reference:
     """The run ``cfg`` describes, in float64 numpy. ``bug`` computes it the wrong way on purpose:
     "sign", "alias", "no-rescale", "double-rescale", "shared-order", "no-shuffle", "tensor-masks"
     (per-tensor masks where the run drew them per coordinate)."""
-    data = load_cifar10(resolve_data_dir(cfg.data_dir))
+    data = load_dataset(resolve_data_dir(cfg.data_dir))
     shards = client_shards(cfg, data.y_train)
     theta = [p.double().numpy() for p in initial_parameters(cfg.model, cfg.seed)]
     ref = Reference(thetas=[theta], rows=[])

@@ -23,7 +23,7 @@ from fedmask_app.cli.common import add_run_config_arguments, run_config_from_arg
 from fedmask_app.deploy.shards import partition_config, write_shard_file
 from fedmask_app.run.client_task import client_shards
 from fedmask_app.run.config import RunConfig
-from fedmask_app.run.data import CONTENT_SHA256, DataError, load_cifar10, resolve_data_dir
+from fedmask_app.run.data import DataError, load_dataset, resolve_data_dir
 from fedmask_app.run.files import atomic_write_json
 
 MANIFEST = "shards.json"
@@ -41,14 +41,14 @@ def indices_sha256(indices: np.ndarray) -> str:
 def export_shards(cfg: RunConfig, out_dir: Path, echo=print) -> dict[str, Any]:
     """Write ``shard-<id>.npz`` for every partition id of ``cfg`` and ``shards.json``; return the manifest."""
     out_dir = Path(out_dir).expanduser().resolve()
-    data = load_cifar10(resolve_data_dir(cfg.data_dir))  # verified against CONTENT_SHA256
+    data = load_dataset(resolve_data_dir(cfg.data_dir), cfg.dataset)  # verified against its content sha256
     shards = client_shards(cfg, data.y_train)
     out_dir.mkdir(parents=True, exist_ok=True)
     entries = []
     for partition_id, indices in enumerate(shards):
         path = out_dir / shard_file_name(partition_id)
         write_shard_file(path, partition_id, data.x_train[indices], data.y_train[indices], cfg)
-        counts = np.bincount(data.y_train[indices], minlength=10)
+        counts = np.bincount(data.y_train[indices], minlength=data.spec.num_classes)
         entries.append({
             "partition-id": partition_id,
             "file": path.name,
@@ -59,7 +59,7 @@ def export_shards(cfg: RunConfig, out_dir: Path, echo=print) -> dict[str, Any]:
         echo(f"[fedmask] {path}  partition {partition_id}: {len(indices)} images")
     manifest = {
         "config": partition_config(cfg),
-        "data-sha256": CONTENT_SHA256,
+        "data-sha256": data.sha256,
         "num-partitions": len(shards),
         "partitions": entries,
         "node-config": "data-path=\"<absolute path of shard-<id>.npz>\"",

@@ -14,7 +14,9 @@ import numpy as np
 from fedmask_app.run.config import RunConfig
 from fedmask_app.run.files import atomic_write
 
-PARTITION_KEYS = ("seed", "num-clients", "alpha", "min-partition-size", "max-shard-size", "identical-shards")
+PARTITION_KEYS = ("dataset", "seed", "num-clients", "alpha", "min-partition-size", "max-shard-size", "identical-shards")
+# what a shard file written before the key existed was exported from
+PARTITION_DEFAULTS = {"dataset": "cifar10"}
 
 
 def partition_config(cfg: RunConfig) -> dict[str, Any]:
@@ -26,7 +28,7 @@ def partition_config(cfg: RunConfig) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Shard:
     partition_id: int
-    images: np.ndarray  # uint8, N x 32 x 32 x 3
+    images: np.ndarray  # uint8, N x H x W x C (CIFAR-10: 32 x 32 x 3)
     labels: np.ndarray  # int64, N
     config: dict[str, Any]  # partition_config of the run that wrote it
 
@@ -46,10 +48,10 @@ def load_shard_file(path: str | Path) -> Shard:
         raise FileNotFoundError(f"shard file {path} (node config data-path) does not exist")
     with np.load(path, allow_pickle=False) as npz:
         images, labels = npz["images"], npz["labels"]
-        well_formed = images.dtype == np.uint8 and images.shape[1:] == (32, 32, 3) and len(images) == len(labels)
+        well_formed = images.dtype == np.uint8 and images.ndim == 4 and len(images) == len(labels)
         if not well_formed or "partition_config" not in npz.files:
             raise ValueError(f"{path} is not a fedmask shard file (images {images.dtype}{images.shape})")
-        config = json.loads(str(npz["partition_config"]))
+        config = {**PARTITION_DEFAULTS, **json.loads(str(npz["partition_config"]))}
         return Shard(int(npz["partition_id"]), images, labels.astype(np.int64), config)
 
 
@@ -62,3 +64,6 @@ def check_shard_matches(shard: Shard, cfg: RunConfig, path: str | Path) -> None:
             if shard.config.get(k) != expected[k]
         )
         raise ValueError(f"shard file {path} was exported for another partition ({diffs}): re-export it")
+    if shard.images.shape[1:] != cfg.data.image_shape:
+        raise ValueError(f"shard file {path} holds images of shape {shard.images.shape[1:]}, not {cfg.data.title}'s "
+                         f"{cfg.data.image_shape}")

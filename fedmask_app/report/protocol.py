@@ -39,7 +39,7 @@ def _number(value) -> float:
 
 def protocol_deviations(cells: pd.DataFrame) -> list[str]:
     """Each way the cells' runs differ from the paper's protocol besides rounds and window: seeds,
-    test subset, model, precision, engine, shard cap, K, K_c, lr, aggregation, identical shards,
+    test subset, data set, model, precision, engine, shard cap, K, K_c, lr, aggregation, identical shards,
     training with masks or another server step, and the local training (always)."""
     out = []
     seeds = sorted(int(s) for s in cells["n_seeds"].unique()) if "n_seeds" in cells else []
@@ -49,6 +49,9 @@ def protocol_deviations(cells: pd.DataFrame) -> list[str]:
     subsets = [s for s in _values(cells, "test-subset") if 0 < _number(s) < PAPER_TEST_IMAGES]
     if subsets:
         out.append(f"test accuracy on {_join(subsets)} of the {PAPER_TEST_IMAGES} test images")
+    datasets = [d for d in _values(cells, "dataset") if str(d) != "cifar10"]
+    if datasets:
+        out.append(f"data set {_join(datasets)} (paper: CIFAR-10)")
     models = _values(cells, "model")
     if models:
         described = "; ".join(f"{m} ({MODEL_NOTES[str(m)]})" if str(m) in MODEL_NOTES else str(m) for m in models)

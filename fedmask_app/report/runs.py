@@ -49,7 +49,7 @@ CONFIG_DEFAULTS = {
     "fedexp-epsilon": 0.001, "penalty-target": 0.0, "keep-prob-min": 0.1, "probe-size": 128, "probe-file": "",
     "curvature-probes": 8, "penalty-draws": 16, "mask-granularity": "tensor", "flatness-probes": 8,
     "lanczos-tol": 0.001, "lanczos-max-iter": 20, "eval-from": 1, "momentum": 0.0, "weight-decay": 0.0,
-    "augment": "none",
+    "augment": "none", "dataset": "cifar10",
 }
 PAPER_ROUNDS, PAPER_WINDOW = 200, 50
 # Single-word columns run_summary and cell_summary compute or show apart. Run-config keys are

@@ -21,14 +21,17 @@ from clients.streams import StreamedClients
 from clients.training import LocalResult, LocalTraining, as_array, as_tensor, local_update
 from clients.vectorized import vectorized_local_updates
 from fedmask_app.run.config import FaultInjection, RunConfig
-from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
+from fedmask_app.run.data import DataSpec, load_dataset, normalize, resolve_data_dir
 from fedmask_app.run.device import compute_setup
 from fedmask_app.run.model import build_model
 from fedmask_app.run.partition import dirichlet_partition, identical_shards
 from strategies.aggregate import ClientReply
 
-# torchvision's RandomCrop pads the stored image with black (0) before it is normalised
-NORMALIZED_BLACK = normalize(np.zeros((1, 1, 1, 3), np.uint8)).flatten()
+
+def normalized_black(spec: DataSpec) -> torch.Tensor:
+    """The crops' padding: torchvision's RandomCrop pads the stored image with black (0) before it
+    is normalised, so one value per channel."""
+    return normalize(np.zeros((1, 1, 1, spec.image_shape[2]), np.uint8), spec).flatten()
 
 
 class InjectedFault(RuntimeError):
@@ -71,7 +74,8 @@ class ClientTask:
         self.cache_shards = cache_shards
         self.resident = resident
         self.device, self.dtype = compute_setup(cfg)
-        self.model = build_model(cfg.model, cfg.skip_padding_taps, cfg.gemm_convs).to(self.device, self.dtype)
+        self.model = build_model(cfg.model, cfg.skip_padding_taps, cfg.gemm_convs, cfg.data.input_shape).to(
+            self.device, self.dtype)
         self.num_blocks = len(list(self.model.parameters()))
         self._given_shards = shard_arrays  # deployment: a device's own shard file
         self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -88,7 +92,7 @@ class ClientTask:
 
     @functools.cached_property
     def _partition(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-        data = load_cifar10(resolve_data_dir(self.cfg.data_dir))
+        data = load_dataset(resolve_data_dir(self.cfg.data_dir), self.cfg.dataset)
         return data.x_train, data.y_train, client_shards(self.cfg, data.y_train)
 
     def shard(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +109,7 @@ class ClientTask:
                 raise ValueError(f"partition id {partition_id} outside 0..{len(shards) - 1}")
             images, labels = x_train[shards[partition_id]], y_train[shards[partition_id]]
         shard = (
-            normalize(images).to(self.device, self.dtype),
+            normalize(images, self.cfg.data).to(self.device, self.dtype),
             torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(self.device),
         )
         if self.cache_shards:
@@ -205,7 +209,7 @@ class ClientTask:
             return None
         seed = augment_seed(self.cfg.seed, server_round, self._stream_key(partition_id))
         generator = torch.Generator().manual_seed(seed)
-        return functools.partial(crop_flip, generator=generator, fill=NORMALIZED_BLACK)
+        return functools.partial(crop_flip, generator=generator, fill=normalized_black(self.cfg.data))
 
     def _reply(self, partition_id: int, server_round: int, sync_seed: int | None, keep_prob: float | None,
                num_examples: int, train_loss: float, update: list[np.ndarray]) -> ClientReply:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.augment import AUGMENTATIONS
-from fedmask_app.run.data import FILE_NAME, resolve_data_dir
+from fedmask_app.run.data import DATASETS, DataSpec, data_spec, resolve_data_dir
 from fedmask_app.run.model import MODELS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +55,7 @@ class RunConfig:
     min_partition_size: int
     max_shard_size: int
     identical_shards: bool
+    dataset: str
     model: str
     local_epochs: int
     batch_size: int | None  # None: one full-batch step per epoch
@@ -132,6 +133,7 @@ class RunConfig:
         _require(math.isfinite(self.alpha) and self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
         _require(self.max_shard_size >= 0, "max-shard-size", self.max_shard_size, "an integer >= 0 (0: no cap)")
         _require(self.min_partition_size >= 1, "min-partition-size", self.min_partition_size, "an integer >= 1")
+        _require(self.dataset in DATASETS, "dataset", self.dataset, f"one of {', '.join(DATASETS)}")
         _require(self.model in MODELS, "model", self.model, f"one of {', '.join(MODELS)}")
         _require(self.local_epochs >= 1, "local-epochs", self.local_epochs, "an integer tau >= 1")
         _require(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a learning rate > 0")
@@ -229,16 +231,18 @@ class RunConfig:
         _require(self.lanczos_max_iter >= 2, "lanczos-max-iter", self.lanczos_max_iter, "an integer >= 2")
         if self.probe_file:
             _require(Path(self.probe_file).expanduser().is_file(), "probe-file", self.probe_file,
-                     "an existing .npz file with arrays x (N, 32, 32, 3 uint8) and y (N labels)")
+                     f"an existing .npz file with arrays x (N, {', '.join(map(str, self.data.image_shape))} uint8) "
+                     "and y (N labels)")
 
     def _validate_data_dir(self) -> None:
         data_dir = resolve_data_dir(self.data_dir)
-        if (data_dir / FILE_NAME).is_file():
+        file_name = self.data.file_name
+        if (data_dir / file_name).is_file():
             return
         existing = next((p for p in [data_dir, *data_dir.parents] if p.exists()), None)
         if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(
-                f"data-dir = {str(data_dir)!r} holds no {FILE_NAME} and is not writable, so it cannot be "
+                f"data-dir = {str(data_dir)!r} holds no {file_name} and is not writable, so it cannot be "
                 "fetched there: point data-dir at a folder with the file or a writable folder"
             )
 
@@ -273,7 +277,8 @@ class RunConfig:
         if self.run_name:
             return self.run_name
         bs = "full" if self.batch_size is None else self.batch_size
-        parts = [self.model, f"a{self.alpha:g}", f"bs{bs}", f"tau{self.local_epochs}", self.mask_mode]
+        parts = [self.model] if self.dataset == "cifar10" else [self.dataset, self.model]
+        parts += [f"a{self.alpha:g}", f"bs{bs}", f"tau{self.local_epochs}", self.mask_mode]
         if self.mask_mode != "none":
             parts.append(f"p{self.keep_prob:g}")
         if self.max_shard_size:
@@ -281,6 +286,11 @@ class RunConfig:
         if self.identical_shards:
             parts.append("identical")
         return "_".join([*parts, f"seed{self.seed}"])
+
+    @property
+    def data(self) -> DataSpec:
+        """The data set this run trains on (``dataset``)."""
+        return data_spec(self.dataset)
 
     @property
     def run_dir(self) -> Path:

@@ -10,7 +10,7 @@ from torch import nn
 
 from clients.training import load_parameters
 from fedmask_app.run.config import RunConfig
-from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
+from fedmask_app.run.data import load_dataset, normalize, resolve_data_dir
 from fedmask_app.run.device import compute_setup
 from fedmask_app.run.model import build_model
 
@@ -21,10 +21,11 @@ class Evaluator:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.device, self.dtype = compute_setup(cfg)
-        self.model = build_model(cfg.model, cfg.skip_padding_taps).to(self.device, self.dtype)
-        data = load_cifar10(resolve_data_dir(cfg.data_dir))
+        self.model = build_model(cfg.model, cfg.skip_padding_taps, input_shape=cfg.data.input_shape).to(
+            self.device, self.dtype)
+        data = load_dataset(resolve_data_dir(cfg.data_dir), cfg.dataset)
         n = cfg.test_subset or len(data.y_test)
-        self.images = normalize(data.x_test[:n]).to(self.device, self.dtype)
+        self.images = normalize(data.x_test[:n], cfg.data).to(self.device, self.dtype)
         self.labels = torch.from_numpy(data.y_test[:n]).to(self.device)
 
     def due(self, server_round: int) -> bool:

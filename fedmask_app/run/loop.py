@@ -15,7 +15,7 @@ import numpy as np
 from clients.training import as_array
 from fedmask_app.run.client_task import client_shards
 from fedmask_app.run.config import RunConfig
-from fedmask_app.run.data import dataset_sha256, load_cifar10, resolve_data_dir
+from fedmask_app.run.data import dataset_sha256, load_dataset, resolve_data_dir
 from fedmask_app.run.device import model_dtype
 from fedmask_app.run.evaluation import Evaluator
 from fedmask_app.run.measurements import RoundMeasurements
@@ -36,17 +36,18 @@ def run_rounds(cfg: RunConfig, engine: str, train_round: TrainRound, evaluator: 
     ``server_has_training_data``: False on a deployment's server, whose measurements then need
     ``probe-file``."""
     measurements = RoundMeasurements(cfg, server_has_training_data)  # fails before any round when it cannot
-    data_sha256 = dataset_sha256(resolve_data_dir(cfg.data_dir))  # CIFAR-10's, or a subset's (GPU check)
+    data_sha256 = dataset_sha256(resolve_data_dir(cfg.data_dir), cfg.dataset)  # the full set's, or a subset's
     results, checkpoint = RunResults.open(cfg, run_metadata(cfg, engine, data_sha256))
     schedule = RoundSchedule(cfg, checkpoint.state if checkpoint is not None else None)
     if server_has_training_data:
-        labels = load_cifar10(resolve_data_dir(cfg.data_dir)).y_train
+        labels = load_dataset(resolve_data_dir(cfg.data_dir), cfg.dataset).y_train
         results.write_shards([len(shard) for shard in client_shards(cfg, labels)])
     if checkpoint is not None:
         params, first = checkpoint.params, checkpoint.server_round + 1
         echo(f"[fedmask] resuming {cfg.name} after round {checkpoint.server_round}")
     else:
-        params, first = [p.to(model_dtype(cfg)).numpy() for p in initial_parameters(cfg.model, cfg.seed)], 1
+        theta_0 = initial_parameters(cfg.model, cfg.seed, cfg.data.input_shape)
+        params, first = [p.to(model_dtype(cfg)).numpy() for p in theta_0], 1
     if evaluator is None and cfg.eval_every:  # eval-every = 0: no test set to load
         evaluator = Evaluator(cfg)
     echo(f"[fedmask] {engine} engine, run {cfg.name} -> {results.run_dir}")

@@ -16,7 +16,7 @@ from clients.training import as_tensor
 from fedmask_app.measure.curvature import measure_curvature
 from fedmask_app.measure.flatness import measure_flatness
 from fedmask_app.run.config import RunConfig
-from fedmask_app.run.data import load_cifar10, normalize, resolve_data_dir
+from fedmask_app.run.data import load_dataset, normalize, resolve_data_dir
 from fedmask_app.run.device import compute_setup
 from fedmask_app.run.model import build_model
 from fedmask_app.run.schema import CURVATURE_COLUMNS, FLATNESS_COLUMNS
@@ -36,14 +36,16 @@ def probe_images(cfg: RunConfig, server_has_training_data: bool) -> tuple[np.nda
     if cfg.probe_file:
         with np.load(Path(cfg.probe_file).expanduser()) as probe:
             images, labels = probe["x"], probe["y"]
-        if images.ndim != 4 or images.shape[1:] != (32, 32, 3) or len(images) != len(labels):
-            raise ProbeError(f"probe-file {cfg.probe_file}: x must be (N, 32, 32, 3) and y (N,), got "
+        shape = cfg.data.image_shape
+        if images.ndim != 4 or images.shape[1:] != shape or len(images) != len(labels):
+            raise ProbeError(f"probe-file {cfg.probe_file}: x must be (N, {', '.join(map(str, shape))}) and y (N,) "
+                             f"for {cfg.data.title}, got "
                              f"{images.shape} and {labels.shape}")
         return images[: cfg.probe_size], labels[: cfg.probe_size]
     if not server_has_training_data:
         raise ProbeError("curvature-every / flatness-every need a probe batch, and a deployment's server has no "
                          "training data: give probe-file (an .npz with x and y, e.g. a few hundred training images)")
-    data = load_cifar10(resolve_data_dir(cfg.data_dir))
+    data = load_dataset(resolve_data_dir(cfg.data_dir), cfg.dataset)
     rng = np.random.default_rng(derive_seed(cfg.seed, PROBE))
     chosen = np.sort(rng.choice(len(data.y_train), size=min(cfg.probe_size, len(data.y_train)), replace=False))
     return data.x_train[chosen], data.y_train[chosen]
@@ -59,9 +61,10 @@ class RoundMeasurements:
         if not self.enabled:
             return
         self.device, self.dtype = compute_setup(cfg)
-        self.model = build_model(cfg.model, cfg.skip_padding_taps).to(self.device, self.dtype)
+        self.model = build_model(cfg.model, cfg.skip_padding_taps, input_shape=cfg.data.input_shape).to(
+            self.device, self.dtype)
         images, labels = probe_images(cfg, server_has_training_data)
-        self.probe_x = normalize(images).to(self.device, self.dtype)
+        self.probe_x = normalize(images, cfg.data).to(self.device, self.dtype)
         self.probe_y = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(self.device)
 
     def _generator(self, purpose: int, server_round: int) -> torch.Generator:
