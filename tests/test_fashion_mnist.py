@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
+from fedmask_app.deploy.shards import check_shard_matches, load_shard_file, partition_config, write_shard_file
 from fedmask_app.engines.local import run_local
 from fedmask_app.run import data
 from fedmask_app.run.config import ConfigError, load_run_config
@@ -153,3 +154,17 @@ def test_a_local_run_trains_measures_and_records_fashion_mnist(fashion_mnist_dir
     config = json.loads((cfg.run_dir / "config.json").read_text())
     assert config["run_config"]["dataset"] == "fashion-mnist"
     assert config["data_sha256"] == FASHION_MNIST.content_sha256
+
+
+def test_shard_files_name_their_data_set_and_older_ones_read_as_cifar10(tmp_path):
+    fashion = load_run_config(['dataset="fashion-mnist"', "num-clients=3", "clients-per-round=3"])
+    cifar = load_run_config(["num-clients=3", "clients-per-round=3"])
+    path = tmp_path / "shard-0.npz"
+    write_shard_file(path, 0, np.zeros((4, 28, 28, 1), np.uint8), np.zeros(4, np.int64), fashion)
+    check_shard_matches(load_shard_file(path), fashion, path)
+    with pytest.raises(ValueError, match="dataset: shard 'fashion-mnist', run 'cifar10'"):
+        check_shard_matches(load_shard_file(path), cifar, path)
+    older = {k: v for k, v in partition_config(cifar).items() if k != "dataset"}  # written before the key existed
+    np.savez(path, partition_id=np.int64(0), images=np.zeros((4, 32, 32, 3), np.uint8), labels=np.zeros(4, np.int64),
+             partition_config=np.array(json.dumps(older)))
+    check_shard_matches(load_shard_file(path), cifar, path)
