@@ -91,6 +91,10 @@ class ClientTask:
         )
 
     @functools.cached_property
+    def _crop_fill(self) -> torch.Tensor:
+        return normalized_black(self.cfg.data)
+
+    @functools.cached_property
     def _partition(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         data = load_dataset(resolve_data_dir(self.cfg.data_dir), self.cfg.dataset)
         return data.x_train, data.y_train, client_shards(self.cfg, data.y_train)
@@ -209,7 +213,7 @@ class ClientTask:
             return None
         seed = augment_seed(self.cfg.seed, server_round, self._stream_key(partition_id))
         generator = torch.Generator().manual_seed(seed)
-        return functools.partial(crop_flip, generator=generator, fill=normalized_black(self.cfg.data))
+        return functools.partial(crop_flip, generator=generator, fill=self._crop_fill)
 
     def _reply(self, partition_id: int, server_round: int, sync_seed: int | None, keep_prob: float | None,
                num_examples: int, train_loss: float, update: list[np.ndarray]) -> ClientReply:
